@@ -1,0 +1,66 @@
+"""The drafter interface and its registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from drafters.tree import DraftTree
+from specdec.sampling_params import SamplingParams
+
+
+@dataclass
+class DraftRequest:
+    """One speculating sequence, as a drafter sees it in a step."""
+
+    request_id: str
+    tokens: list[int]  # prompt + output; the last one is the tree's root
+    max_nodes: int  # the largest tree the step can verify for it
+    k: int  # the request's num_speculative_tokens (depth)
+    options: dict[str, Any] = field(default_factory=dict)
+    params: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None  # the request's own RNG for drafter sampling
+
+
+class Drafter(ABC):
+    """Proposes draft trees; learns afterwards what the target accepted.
+
+    Capabilities are fields: `needs_hidden_states` (consumes target hidden states),
+    `provides_probs` (its nodes carry the distribution they were drawn from)."""
+
+    name: ClassVar[str]
+    needs_hidden_states: ClassVar[bool] = False
+    provides_probs: ClassVar[bool] = False
+
+    @abstractmethod
+    def propose(self, batch: list[DraftRequest]) -> DraftTree:
+        """A tree per request, in batch order, each with at most `max_nodes` nodes."""
+
+    def accepted(self, request_id: str, num_tokens: int, tokens: list[int]) -> None:
+        """The request now has `num_tokens` tokens, ending with `tokens` (accepted path plus
+        the bonus token), so stateful drafters can roll back what the target rejected."""
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was preempted: drop any state held for it."""
+
+    def max_nodes(self, k: int, options: dict[str, Any]) -> int:
+        """The tree size this drafter asks the scheduler for, given the request's settings."""
+        return k
+
+
+DRAFTERS: dict[str, type[Drafter]] = {}
+
+
+def register(cls: type[Drafter]) -> type[Drafter]:
+    DRAFTERS[cls.name] = cls
+    return cls
+
+
+def drafter_class(method: str) -> type[Drafter]:
+    if method not in DRAFTERS:
+        raise ValueError(f"unknown speculative method {method!r}; "
+                         f"choose one of: none, {', '.join(sorted(DRAFTERS))}")
+    return DRAFTERS[method]

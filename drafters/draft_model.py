@@ -1,0 +1,136 @@
+"""A smaller model with the target's tokenizer, run with its own paged KV cache.
+
+Each step it catches its KV up with the sequence (the tokens the target accepted since last
+time), then decodes k tokens for all its requests in batched forward passes. Chain mode samples
+each token from the draft distribution (the request's own sampling transforms applied) and
+reports that distribution; tree mode adds, at every depth, the next `branches - 1` most likely
+tokens as deterministic siblings of the chain's node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from drafters.base import Drafter, DraftRequest, register
+from drafters.tree import DraftTree
+from specdec.block_manager import BlockManager
+from specdec.config import CacheConfig, ModelConfig, resolve_model_config
+from specdec.model_runner import ModelRunner, Segment
+from specdec.sampler import process_logits
+from specdec.sequence import Sequence
+
+
+@register
+class DraftModelDrafter(Drafter):
+    """Options: `branches` (default 1: a chain)."""
+
+    name = "draft_model"
+    provides_probs = True
+
+    def __init__(self, draft_model: str, target: ModelConfig, cache: CacheConfig,
+                 target_vocab: dict[str, int] | None = None, **_: Any) -> None:
+        mc = resolve_model_config(ModelConfig(model=draft_model, dtype=target.dtype,
+                                              device=target.device))
+        if mc.vocab_size != target.vocab_size:
+            raise ValueError(f"draft model {draft_model!r} has vocab_size {mc.vocab_size}, the "
+                             f"target {target.vocab_size}: a draft model must share the "
+                             "target's tokenizer")
+        if target_vocab is not None:
+            from transformers import AutoTokenizer
+
+            vocab = AutoTokenizer.from_pretrained(mc.path).get_vocab()
+            if vocab != target_vocab:
+                raise ValueError(f"draft model {draft_model!r} has a different tokenizer "
+                                 "vocabulary from the target's")
+        draft_cache = replace(cache, num_blocks=None, enable_prefix_caching=False,
+                              cpu_kv_bytes=cache.cpu_kv_bytes // 2,
+                              gpu_memory_utilization=cache.gpu_memory_utilization * 0.25)
+        self.runner = ModelRunner(mc, draft_cache)
+        self.blocks = BlockManager(self.runner.num_blocks, draft_cache.block_size, False)
+        self.vocab_size = mc.vocab_size
+        self._seqs: dict[str, Sequence] = {}
+
+    def max_nodes(self, k: int, options: dict[str, Any]) -> int:
+        return k * max(1, int(options.get("branches", 1)))
+
+    def _state(self, r: DraftRequest) -> Sequence:
+        s = self._seqs.get(r.request_id)
+        if s is None:
+            s = self._seqs[r.request_id] = Sequence(r.request_id, [], r.params)
+            self.blocks.allocate_prefix(s)
+        s.prompt_token_ids = list(r.tokens)
+        return s
+
+    def propose(self, batch: list[DraftRequest]) -> DraftTree:
+        states = [self._state(r) for r in batch]
+        depth = [min(r.k, r.max_nodes // max(1, int(r.options.get("branches", 1))))
+                 for r in batch]
+        # Tokens each sequence feeds this pass: first its catch-up chunk (ending at the root).
+        feed = [s.tokens[s.num_computed:] for s in states]
+        trees: list[tuple[list[int], list[int]]] = [([], []) for _ in batch]
+        probs: list[list[torch.Tensor]] = [[] for _ in batch]
+        live = [d > 0 and self.blocks.reserve(s, len(f) + d)
+                for s, f, d in zip(states, feed, depth)]
+        last_chain = [-1] * len(batch)
+        for step in range(max(depth, default=0)):
+            active = [i for i in range(len(batch)) if live[i] and step < depth[i]]
+            if not active:
+                break
+            segs = []
+            for i in active:
+                s, f = states[i], feed[i]
+                segs.append(Segment(
+                    tokens=f, positions=list(range(s.num_computed, s.num_computed + len(f))),
+                    slots=[self.blocks.slot(s, s.num_computed + j) for j in range(len(f))],
+                    context_len=s.num_computed, block_table=s.block_table,
+                    logits_rows=(len(f) - 1,)))
+            out = self.runner.execute(segs)
+            reqs = [batch[i] for i in active]
+            ctx = None
+            q = process_logits(out.logits, [r.params for r in reqs], ctx)  # [A, V]
+            for a, i in enumerate(active):
+                r, s = batch[i], states[i]
+                s.num_computed += len(feed[i])
+                tok = self._pick(q[a], r)
+                branches = max(1, int(r.options.get("branches", 1)))
+                toks, pars = trees[i]
+                parent = last_chain[i]
+                toks.append(tok)
+                pars.append(parent)
+                last_chain[i] = len(toks) - 1
+                if branches > 1 or r.params.greedy:
+                    probs[i] = []  # deterministic proposals: point masses
+                    alts = [t for t in q[a].topk(branches).indices.tolist() if t != tok]
+                    for t in alts[:branches - 1]:
+                        toks.append(t)
+                        pars.append(parent)
+                else:
+                    probs[i].append(q[a].float().cpu())
+                feed[i] = [tok]
+        for i, s in enumerate(states):
+            # KV past the root is draft-only: forget it; `accepted` resumes from the root.
+            if live[i]:
+                self.blocks.commit(s, min(s.num_computed, len(s.tokens)))
+        out_probs = [torch.stack(p) if p and len(p) == len(trees[i][0]) else None
+                     for i, p in enumerate(probs)]
+        return DraftTree.from_lists(trees, out_probs, self.vocab_size)
+
+    def _pick(self, q: torch.Tensor, r: DraftRequest) -> int:
+        if r.params.greedy:
+            return int(q.argmax())
+        return int(torch.multinomial(q.float().cpu(), 1, generator=r.generator))
+
+    def accepted(self, request_id: str, num_tokens: int, tokens: list[int]) -> None:
+        s = self._seqs.get(request_id)
+        if s is not None:
+            # KV is valid up to the root (committed in propose); the accepted draft tokens are
+            # recomputed in the next catch-up chunk together with the bonus token.
+            self.blocks.commit(s, min(s.num_computed, num_tokens - len(tokens)))
+
+    def release(self, request_id: str) -> None:
+        s = self._seqs.pop(request_id, None)
+        if s is not None:
+            self.blocks.free_seq(s)

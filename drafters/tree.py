@@ -1,0 +1,133 @@
+"""`DraftTree`: the one data contract between drafters, the verifier and attention.
+
+A tree hangs below each speculating sequence's *root*: the last token the sequence already has
+(sampled last step, not yet in the KV cache). Nodes are flattened over a ragged batch; within a
+sequence they are numbered 0..n-1 in topological order (a parent before its children, siblings in
+the drafter's order of preference). A chain of k tokens is a tree whose node i has parent i-1.
+
+In the verification pass a sequence contributes 1 + n query tokens: the root, then its nodes in
+order. Node i sits at query row 1 + i, at KV slot `context_len + 1 + i`, at position
+`context_len + depth[i]`, and attends to the paged prefix, the root and its own ancestors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # [N] int64 node tokens
+    parents: torch.Tensor  # [N] int64 local parent index, -1 = the root
+    depths: torch.Tensor  # [N] int64 depth, 1 for the root's children
+    offsets: tuple[int, ...]  # B+1 node offsets: sequence b owns nodes offsets[b]:offsets[b+1]
+    # Optional draft distributions: row n is the distribution node n was sampled from (the
+    # drafter's distribution at n's parent). Nodes with stochastic[n] False are deterministic
+    # proposals (point masses) and their rows are unused.
+    draft_probs: torch.Tensor | None = None  # [N, vocab] float32
+    stochastic: torch.Tensor | None = None  # [N] bool
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self.offsets[-1]
+
+    def sizes(self) -> list[int]:
+        return [self.offsets[b + 1] - self.offsets[b] for b in range(self.num_seqs)]
+
+    def seq(self, b: int) -> tuple[list[int], list[int]]:
+        """Host lists (tokens, parents) of sequence b's nodes."""
+        s, e = self.offsets[b], self.offsets[b + 1]
+        return self.tokens[s:e].tolist(), self.parents[s:e].tolist()
+
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if self.num_nodes else 0
+
+    def ancestor_mask(self, b: int) -> torch.Tensor:
+        """[1 + n, 1 + n] bool: row r may attend column c (root is row/column 0)."""
+        _, parents = self.seq(b)
+        n = len(parents)
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, p in enumerate(parents):
+            if p >= 0:
+                mask[i + 1] = mask[p + 1]
+            mask[i + 1, i + 1] = True
+        mask[0, 1:] = False
+        return mask
+
+    @staticmethod
+    def empty(num_seqs: int) -> DraftTree:
+        z = torch.zeros(0, dtype=torch.long)
+        return DraftTree(z, z, z, tuple([0] * (num_seqs + 1)))
+
+    @staticmethod
+    def from_lists(
+        trees: Sequence[tuple[Sequence[int], Sequence[int]]],
+        probs: Sequence[torch.Tensor | None] | None = None,
+        vocab_size: int | None = None,
+    ) -> DraftTree:
+        """Build and validate a batch from per-sequence (tokens, parents) lists.
+
+        probs[b], when given, is [n_b, vocab] with the distribution each node was drawn from;
+        None for a sequence whose proposals are deterministic.
+        """
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        offsets = [0]
+        for toks, pars in trees:
+            if len(toks) != len(pars):
+                raise ValueError("a draft tree needs one parent per node")
+            local_depth: list[int] = []
+            for i, (t, p) in enumerate(zip(toks, pars)):
+                if not -1 <= p < i:
+                    raise ValueError(f"node {i} has parent {p}: parents must come first")
+                if t < 0 or (vocab_size is not None and t >= vocab_size):
+                    raise ValueError(f"draft token {t} outside the vocabulary")
+                local_depth.append(1 if p < 0 else local_depth[p] + 1)
+            _check_unique_siblings(toks, pars)
+            tokens += [int(t) for t in toks]
+            parents += [int(p) for p in pars]
+            depths += local_depth
+            offsets.append(len(tokens))
+        draft_probs = stochastic = None
+        if probs is not None and any(p is not None for p in probs):
+            if vocab_size is None:
+                raise ValueError("vocab_size is needed with draft probabilities")
+            rows = []
+            flags = []
+            for (toks, _), p in zip(trees, probs):
+                if p is None:
+                    rows.append(torch.zeros(len(toks), vocab_size))
+                    flags += [False] * len(toks)
+                else:
+                    if p.shape != (len(toks), vocab_size):
+                        raise ValueError(f"draft probs {tuple(p.shape)} != ({len(toks)}, "
+                                         f"{vocab_size})")
+                    rows.append(p.float().cpu())
+                    flags += [True] * len(toks)
+            draft_probs = torch.cat(rows) if rows else torch.zeros(0, vocab_size)
+            stochastic = torch.tensor(flags, dtype=torch.bool)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        return DraftTree(as_long(tokens), as_long(parents), as_long(depths), tuple(offsets),
+                         draft_probs, stochastic)
+
+
+def _check_unique_siblings(tokens: Sequence[int], parents: Sequence[int]) -> None:
+    seen: set[tuple[int, int]] = set()
+    for t, p in zip(tokens, parents):
+        if (p, t) in seen:
+            raise ValueError(f"token {t} proposed twice under parent {p}")
+        seen.add((p, t))
+
+
+def chain(tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of a chain: each node's parent is the one before it."""
+    return list(tokens), list(range(-1, len(tokens) - 1))

@@ -1,0 +1,143 @@
+"""The engine's frozen configuration tree.
+
+`EngineConfig` composes the sub-configs; `resolve_config` fills in every derived value (paths,
+architecture facts, eos ids, block count) once and returns a new, final config. Nothing mutates a
+config after that; each component receives only its own sub-config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # preset name, HF directory or .gguf file
+    dtype: str = "float32"
+    device: str = "cpu"
+    load_format: str = "auto"  # "auto" | "dummy" (random weights from config.json alone)
+    max_model_len: int | None = None
+    # Filled in by resolve_config:
+    path: str | None = None  # resolved local HF-style directory
+    hf_config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return int(c.get("num_key_value_heads") or c["num_attention_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.85  # fraction of free device memory for KV on CUDA
+    cpu_kv_bytes: int = 2 << 30  # KV budget on the CPU
+    num_blocks: int | None = None  # explicit override; resolved otherwise
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decode + trees)
+    max_waiting: int = 1024  # admission bound; the server answers 429 beyond it
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The engine-wide default speculation; requests may override it per request."""
+
+    method: str = "none"  # "none" | "ngram" | "draft_model" | registered drafter names
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    @staticmethod
+    def from_dict(spec: dict[str, Any] | None) -> SpeculativeConfig:
+        if not spec:
+            return SpeculativeConfig()
+        spec = dict(spec)
+        method = str(spec.pop("method", "ngram"))
+        k = int(spec.pop("num_speculative_tokens", 4))
+        draft = spec.pop("draft_model", None)
+        if k < 0 or k > 64:
+            raise ValueError("num_speculative_tokens must be in [0, 64]")
+        return SpeculativeConfig(method=method, num_speculative_tokens=k,
+                                 draft_model=draft, options=spec)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"method": self.method,
+                             "num_speculative_tokens": self.num_speculative_tokens}
+        if self.draft_model:
+            d["draft_model"] = self.draft_model
+        d.update(self.options)
+        return d
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    seed: int = 0
+
+
+def load_hf_config(path: str | Path) -> dict[str, Any]:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not an HF-style model directory")
+    return json.loads(cfg_file.read_text())
+
+
+def _eos_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (hf, _read_json(path / "generation_config.json")):
+        eos = source.get("eos_token_id")
+        for e in eos if isinstance(eos, list) else [eos]:
+            if isinstance(e, int) and e not in ids:
+                ids.append(e)
+    return tuple(ids)
+
+
+def _read_json(p: Path) -> dict[str, Any]:
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def resolve_model_config(mc: ModelConfig) -> ModelConfig:
+    """Locate (pulling a preset if needed) and read the model; return the final ModelConfig."""
+    if mc.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {mc.dtype!r}")
+    from specdec.hub import resolve_model_path
+
+    path = Path(mc.path) if mc.path else resolve_model_path(mc.model)
+    hf = load_hf_config(path)
+    max_len = mc.max_model_len or int(hf.get("max_position_embeddings", 4096))
+    max_len = min(max_len, 32768)
+    return replace(mc, path=str(path), hf_config=hf, eos_token_ids=_eos_ids(path, hf),
+                   max_model_len=max_len)

@@ -1,0 +1,69 @@
+"""Incremental detokenization that never splits a multi-byte character."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list, emitting text only once it is stable.
+
+    A byte-level BPE token may end inside a UTF-8 character; its decoded text then ends with
+    U+FFFD. Such a tail is held back until the following tokens complete the character. So is a
+    tail that could be the start of a stop string, and a found stop string ends the text."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 stops: tuple[str, ...] = ()) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.stops = stops
+        self.ids: list[int] = []
+        self.text = ""  # text sent so far
+        self.stop_at: int | None = None  # character offset where a stop string begins
+        # Decode with a little prompt context so leading spaces come out right.
+        self.prefix_ids = prompt_ids[-4:]
+        self._prefix_text = self._decode(self.prefix_ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip,
+                               clean_up_tokenization_spaces=False)
+
+    def decode_output(self, ids: list[int]) -> str:
+        full = self._decode(self.prefix_ids + ids)
+        if full.startswith(self._prefix_text):
+            return full[len(self._prefix_text):]
+        return self._decode(ids)
+
+    def find_stop(self, ids: list[int], stops: tuple[str, ...]) -> int | None:
+        """Offset of the first stop string in the text of `ids`, searching only new text."""
+        text = self.decode_output(ids)
+        start = max(0, len(self.text) - max(len(s) for s in stops))
+        found = [at for s in stops if (at := text.find(s, start)) >= 0]
+        if found:
+            self.stop_at = min(found)
+            return self.stop_at
+        return None
+
+    def add(self, new_ids: list[int], final: bool = False) -> str:
+        self.ids.extend(new_ids)
+        full = self.decode_output(self.ids)
+        if self.stop_at is not None:
+            full = full[:self.stop_at]
+        elif not final:
+            full = full.rstrip("\ufffd")
+            full = full[:len(full) - self._stop_prefix_len(full)]
+        if not full.startswith(self.text):
+            return ""  # never take back text already sent
+        delta = full[len(self.text):]
+        self.text = full
+        return delta
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

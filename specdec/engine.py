@@ -1,0 +1,291 @@
+"""The engine step loop: schedule, draft, one target pass, verify, commit, report."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from drafters import DraftRequest, DraftTree, create_drafter, drafter_class
+from specdec.block_manager import BlockManager
+from specdec.config import (
+    CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+    resolve_model_config,
+)
+from specdec.detokenizer import IncrementalDetokenizer
+from specdec.model_runner import ModelRunner, Segment
+from specdec.outputs import RequestOutput, SpecMetrics
+from specdec.sampler import RowContext, process_logits
+from specdec.sampling_params import SamplingParams
+from specdec.scheduler import Scheduler, StepPlan
+from specdec.sequence import Sequence
+from specdec.step_results import apply_verified, finish_check
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, attention_backend: str = "auto") -> None:
+        from transformers import AutoTokenizer
+
+        mc = resolve_model_config(config.model)
+        self.config = config = replace(config, model=mc)
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.path)
+        self.model_name = config.model.model
+        self.max_model_len = int(mc.max_model_len or 4096)
+        self.runner = ModelRunner(mc, config.cache, attention_backend)
+        self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                   config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len)
+        self.default_spec = config.speculative
+        self.seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._gens: dict[str, torch.Generator] = {}
+        self._spec: dict[str, SpecMetrics] = {}
+        self._drafters: dict[tuple[str, str | None], Any] = {}
+        self._sent: dict[str, int] = {}
+        self._rng = random.Random(config.seed)
+        self.spec_totals: dict[str, SpecMetrics] = {}
+        self._eos = set(mc.eos_token_ids)
+
+    @staticmethod
+    def from_args(model: str, dtype: str = "float32", device: str = "cpu",
+                  speculative: dict[str, Any] | None = None, **kw: Any) -> LLMEngine:
+        """Build from flat keyword arguments (the Python API and the CLI use this)."""
+        mc_kw = {k: kw.pop(k) for k in ("load_format", "max_model_len") if k in kw}
+        cc_kw = {k: kw.pop(k) for k in ("block_size", "num_blocks", "cpu_kv_bytes",
+                                        "gpu_memory_utilization", "enable_prefix_caching")
+                 if k in kw}
+        sc_kw = {k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_waiting")
+                 if k in kw}
+        backend = kw.pop("attention_backend", "auto")
+        seed = kw.pop("seed", 0)
+        if kw:
+            raise TypeError(f"unknown engine arguments: {sorted(kw)}")
+        if speculative is None:
+            from specdec.hub import default_draft_for
+
+            draft = default_draft_for(model)
+            speculative = ({"method": "draft_model", "draft_model": draft} if draft
+                           else {"method": "ngram"})
+        cfg = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, device=device, **mc_kw),
+            cache=CacheConfig(**cc_kw), scheduler=SchedulerConfig(**sc_kw),
+            speculative=SpeculativeConfig.from_dict(speculative), seed=seed)
+        return LLMEngine(cfg, attention_backend=backend)
+
+    # -- requests ---------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams) -> None:
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = (self.tokenizer.encode(prompt, add_special_tokens=False)
+               if isinstance(prompt, str) else [int(t) for t in prompt])
+        vocab = self.runner.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, including the completion")
+        max_blocks = self.blocks.num_blocks * self.blocks.block_size
+        if len(ids) + 1 > max_blocks:
+            raise ValueError(f"the prompt needs more KV cache ({len(ids)} tokens) than the "
+                             f"engine has ({max_blocks} tokens)")
+        spec = self._resolve_spec(params.speculative)
+        seq = Sequence(request_id, ids, params)
+        seq.spec_method, seq.spec_k, seq.spec_options = spec
+        self.seqs[request_id] = seq
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, ids, params.skip_special_tokens, params.stop)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self._gens[request_id] = torch.Generator().manual_seed(seed)
+        if seq.spec_method != "none":
+            self._spec[request_id] = SpecMetrics(method=seq.spec_method)
+        self.scheduler.add(seq)
+
+    def _resolve_spec(self, override: dict[str, Any] | None) -> tuple[str, int, dict]:
+        sc = self.default_spec if override is None else SpeculativeConfig.from_dict(override)
+        if override is not None and sc.method == "draft_model" and not sc.draft_model:
+            sc = replace(sc, draft_model=self.default_spec.draft_model)
+        if sc.method == "none" or sc.num_speculative_tokens == 0:
+            return "none", 0, {}
+        drafter_class(sc.method)  # unknown methods fail here, at admission
+        opts = dict(sc.options)
+        if sc.method == "draft_model":
+            if not sc.draft_model:
+                raise ValueError("speculative method 'draft_model' needs a draft_model")
+            opts["draft_model"] = sc.draft_model
+            self._drafter(sc.method, sc.draft_model)  # load (and check) it now
+        return sc.method, sc.num_speculative_tokens, opts
+
+    def _drafter(self, method: str, draft_model: str | None):
+        key = (method, draft_model)
+        if key not in self._drafters:
+            self._drafters[key] = create_drafter(
+                method, draft_model=draft_model, target=self.config.model,
+                cache=self.config.cache, target_vocab=self.tokenizer.get_vocab())
+        return self._drafters[key]
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            seq.aborted = True
+
+    def stats(self) -> dict[str, Any]:
+        return {"kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
+                "prefix_cache_queries": self.blocks.prefix_queries,
+                "prefix_cache_hits": self.blocks.prefix_hits,
+                "num_running": self.num_running, "num_waiting": self.num_waiting,
+                "speculative": {m: s.to_dict() for m, s in self.spec_totals.items()}}
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._finish(seq, "abort") for seq in list(self.seqs.values())
+                   if seq.aborted]
+        want = {s.request_id: self._drafter_of(s).max_nodes(s.spec_k, s.spec_options)
+                for s in self.scheduler.running if s.spec_method != "none"}
+        plan = self.scheduler.schedule(want)
+        for seq in plan.preempted:
+            self._release_drafter(seq)
+        if plan.empty:
+            return outputs
+        trees = self._propose(plan)
+        return outputs + self._run(plan, trees)
+
+    def _drafter_of(self, seq: Sequence):
+        return self._drafter(seq.spec_method, seq.spec_options.get("draft_model"))
+
+    def _release_drafter(self, seq: Sequence) -> None:
+        if seq.spec_method != "none":
+            self._drafter_of(seq).release(seq.request_id)
+
+    def _propose(self, plan: StepPlan) -> list[tuple[list[int], list[int], Any]]:
+        """Per decode in the plan: (tokens, parents, probs or None) of its draft tree."""
+        trees: list[tuple[list[int], list[int], Any]] = [([], [], None)] * len(plan.decodes)
+        groups: dict[tuple[str, str | None], list[int]] = {}
+        for i, d in enumerate(plan.decodes):
+            if d.max_draft_nodes > 0 and d.seq.spec_method != "none":
+                key = (d.seq.spec_method, d.seq.spec_options.get("draft_model"))
+                groups.setdefault(key, []).append(i)
+        for key, idxs in groups.items():
+            batch = [DraftRequest(
+                request_id=plan.decodes[i].seq.request_id, tokens=plan.decodes[i].seq.tokens,
+                max_nodes=plan.decodes[i].max_draft_nodes, k=plan.decodes[i].seq.spec_k,
+                options=plan.decodes[i].seq.spec_options, params=plan.decodes[i].seq.params,
+                generator=self._gens[plan.decodes[i].seq.request_id]) for i in idxs]
+            tree: DraftTree = self._drafter(*key).propose(batch)
+            for j, i in enumerate(idxs):
+                toks, pars = tree.seq(j)
+                s, e = tree.offsets[j], tree.offsets[j + 1]
+                probs = None
+                if tree.draft_probs is not None and bool(tree.stochastic[s:e].all()) and e > s:
+                    probs = tree.draft_probs[s:e]
+                trees[i] = (toks[:plan.decodes[i].max_draft_nodes],
+                            pars[:plan.decodes[i].max_draft_nodes],
+                            None if probs is None else probs[:plan.decodes[i].max_draft_nodes])
+        return trees
+
+    def _run(self, plan: StepPlan, trees) -> list[RequestOutput]:
+        bm = self.blocks
+        segs: list[Segment] = []
+        samplers: list[tuple[Sequence, int]] = []  # (seq, context length before the step)
+        tree_lists, tree_probs = [], []
+        for p in plan.prefills:
+            s, n = p.seq, p.num_tokens
+            c = s.num_computed
+            segs.append(Segment(s.tokens[c:c + n], list(range(c, c + n)),
+                                [bm.slot(s, c + j) for j in range(n)], c, list(s.block_table),
+                                logits_rows=(n - 1,) if p.completes else ()))
+        for d, (toks, pars, probs) in zip(plan.decodes, trees):
+            s, c = d.seq, d.seq.num_computed
+            tree = DraftTree.from_lists([(toks, pars)])
+            depths = tree.depths.tolist()
+            segs.append(Segment([s.tokens[-1]] + toks, [c] + [c + x for x in depths],
+                                [bm.slot(s, c + j) for j in range(1 + len(toks))], c,
+                                list(s.block_table),
+                                mask=tree.ancestor_mask(0) if toks else None,
+                                logits_rows=tuple(range(1 + len(toks)))))
+        out = self.runner.execute(segs)
+
+        # Every sampling sequence goes through verification: a completed prefill or a plain
+        # decode is a root with an empty tree.
+        rows_params: list[SamplingParams] = []
+        rows_ctx: list[RowContext] = []
+        row_offsets: list[int] = []
+        for i, p in enumerate(plan.prefills):
+            if p.completes:
+                row_offsets.append(out.row_offsets[i])
+                samplers.append((p.seq, p.seq.num_computed))
+                tree_lists.append(([], []))
+                tree_probs.append(None)
+                rows_params.append(p.seq.params)
+                rows_ctx.append(RowContext(p.seq.prompt_token_ids, p.seq.output_token_ids))
+        for j, (d, (toks, pars, probs)) in enumerate(zip(plan.decodes, trees)):
+            s = d.seq
+            row_offsets.append(out.row_offsets[len(plan.prefills) + j])
+            samplers.append((s, s.num_computed))
+            tree_lists.append((toks, pars))
+            tree_probs.append(probs)
+            rows_params += [s.params] * (1 + len(toks))
+            rows_ctx.append(RowContext(s.prompt_token_ids, s.output_token_ids))
+            for n in range(len(toks)):
+                path = _path(toks, pars, n)
+                rows_ctx.append(RowContext(s.prompt_token_ids, s.output_token_ids + path))
+        for p in plan.prefills:
+            if not p.completes:
+                bm.commit(p.seq, p.seq.num_computed + p.num_tokens)
+        if not samplers:
+            return []
+        results = apply_verified(self, out, samplers, tree_lists, tree_probs, rows_params,
+                                 rows_ctx, row_offsets, plan)
+        return results
+
+    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        self._release_drafter(seq)
+        return self._output(seq, [], None, finished=True)
+
+    def _output(self, seq: Sequence, new_ids: list[int], logprobs, finished: bool
+                ) -> RequestOutput:
+        detok = self._detok[seq.request_id]
+        delta = detok.add(new_ids, final=finished)
+        out = RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), text=detok.text, delta_token_ids=new_ids,
+            delta_text=delta, finished=finished, finish_reason=seq.finish_reason,
+            logprobs=logprobs, spec=self._spec.get(seq.request_id),
+            num_cached_tokens=seq.num_cached_prompt_tokens, arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time)
+        if finished:
+            self.seqs.pop(seq.request_id, None)
+            self._detok.pop(seq.request_id, None)
+            self._gens.pop(seq.request_id, None)
+            self._spec.pop(seq.request_id, None)
+        return out
+
+
+def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """Tokens from the root's child down to `node`, inclusive."""
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
+__all__ = ["LLMEngine", "finish_check", "process_logits"]

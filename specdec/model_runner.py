@@ -1,0 +1,133 @@
+"""Runs a model over a step's flattened batch: owns the weights, the KV cache and the backend.
+
+The one place a step's plan becomes device tensors is `build_inputs`: every segment (a prefill
+chunk, a decode token, or a root plus its draft tree) contributes query rows, positions, KV slots
+and, for trees, an ancestor mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.attention import AttentionMetadata, get_attention_backend
+from specdec.config import CacheConfig, ModelConfig
+from specdec.models import build_model
+
+
+@dataclass
+class Segment:
+    """One sequence's query rows in a step."""
+
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    context_len: int  # KV entries already present before these rows
+    block_table: list[int]
+    mask: torch.Tensor | None = None  # [q, q] bool, None = causal
+    logits_rows: tuple[int, ...] = ()  # local rows whose logits the step needs
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [sum of logits rows, V] float32
+    hidden: torch.Tensor  # [same rows, hidden]
+    row_offsets: list[int]  # per segment, where its logits rows start
+
+
+def kv_bytes_per_block(mc: ModelConfig, block_size: int) -> int:
+    elem = torch.tensor([], dtype=mc.torch_dtype).element_size()
+    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, mc: ModelConfig, cc: CacheConfig, attention_backend: str = "auto"):
+        self.mc = mc
+        self.device = torch.device(mc.device)
+        self.dtype = mc.torch_dtype
+        self.model = build_model(mc.hf_config, mc.path, self.dtype, self.device, mc.load_format)
+        self.block_size = cc.block_size
+        self.num_blocks = cc.num_blocks or self._budget_blocks(mc, cc)
+        self.kv = torch.zeros(mc.num_layers, 2, self.num_blocks, cc.block_size,
+                              mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+        self.backend = get_attention_backend(attention_backend, self.device)
+        self.vocab_size = mc.vocab_size
+
+    def _budget_blocks(self, mc: ModelConfig, cc: CacheConfig) -> int:
+        per_block = kv_bytes_per_block(mc, cc.block_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cc.gpu_memory_utilization)
+        else:
+            budget = cc.cpu_kv_bytes
+        return max(1, budget // per_block)
+
+    def build_inputs(self, segments: list[Segment]):
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        masks: list[torch.Tensor] = []
+        mask_offsets: list[int] = []
+        moff = 0
+        for s in segments:
+            ids += s.tokens
+            pos += s.positions
+            slots += s.slots
+            starts.append(len(ids))
+            if s.mask is None:
+                mask_offsets.append(-1)
+            else:
+                mask_offsets.append(moff)
+                masks.append(s.mask.reshape(-1))
+                moff += s.mask.numel()
+        dev = self.device
+        width = max((len(s.block_table) for s in segments), default=1) or 1
+        tables = torch.zeros(len(segments), width, dtype=torch.int32)
+        for i, s in enumerate(segments):
+            if s.block_table:
+                tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        q_lens = tuple(len(s.tokens) for s in segments)
+        ctx = tuple(s.context_len for s in segments)
+        meta = AttentionMetadata(
+            query_start=torch.tensor(starts, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([c + q for c, q in zip(ctx, q_lens)], dtype=torch.int32,
+                                  device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            custom_mask=torch.cat(masks).to(dev) if masks else None,
+            mask_offsets=torch.tensor(mask_offsets, dtype=torch.long, device=dev),
+            q_lens_host=q_lens, context_lens_host=ctx, mask_offsets_host=tuple(mask_offsets),
+            block_size=self.block_size,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta
+
+    @torch.inference_mode()
+    def execute(self, segments: list[Segment], capture_layers: tuple[int, ...] = ()
+                ) -> StepOutput:
+        input_ids, positions, meta = self.build_inputs(segments)
+        hidden, _ = self.model(input_ids, positions, meta, self.kv, self.backend, capture_layers)
+        rows: list[int] = []
+        offsets: list[int] = []
+        start = 0
+        for s in segments:
+            offsets.append(len(rows))
+            rows += [start + r for r in s.logits_rows]
+            start += len(s.tokens)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        h = hidden.index_select(0, idx)
+        return StepOutput(self.model.compute_logits(h), h, offsets)
+
+    @torch.inference_mode()
+    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy KV entries of all layers from src to dst slots (accepted tree paths)."""
+        if not src_slots:
+            return
+        flat = self.kv.view(self.kv.shape[0], 2, -1, *self.kv.shape[4:])
+        src = torch.tensor(src_slots, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
+        flat[:, :, dst] = flat[:, :, src]

@@ -1,0 +1,168 @@
+"""The Llama family as plain modules: Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5 (qkv bias) and
+Qwen3 (per-head q/k RMSNorm). One implementation with architecture flags, built from an HF
+`config.json` dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.attention import AttentionMetadata
+from specdec.models.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ArchFlags:
+    qkv_bias: bool
+    qk_norm: bool
+
+
+ARCHITECTURES: dict[str, ArchFlags] = {
+    "LlamaForCausalLM": ArchFlags(qkv_bias=False, qk_norm=False),
+    "MistralForCausalLM": ArchFlags(qkv_bias=False, qk_norm=False),
+    "Qwen2ForCausalLM": ArchFlags(qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": ArchFlags(qkv_bias=False, qk_norm=True),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, hf: dict[str, Any], flags: ArchFlags, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = int(hf["num_attention_heads"])
+        self.num_kv_heads = int(hf.get("num_key_value_heads") or self.num_heads)
+        self.head_dim = int(hf.get("head_dim") or hf["hidden_size"] // self.num_heads)
+        hidden = int(hf["hidden_size"])
+        bias = flags.qkv_bias or bool(hf.get("attention_bias", False))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul: one weight read, one launch.
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=bool(hf.get("attention_bias", False)))
+        eps = float(hf.get("rms_norm_eps", 1e-6))
+        self.q_norm = RMSNorm(self.head_dim, eps) if flags.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if flags.qk_norm else None
+        self.rotary = rotary
+        self.scale = self.head_dim ** -0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kv: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        backend: Any,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        backend.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        o = backend.attend(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hf: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, inter = int(hf["hidden_size"]), int(hf["intermediate_size"])
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        bias = bool(hf.get("mlp_bias", False))
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.inter = inter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf: dict[str, Any], flags: ArchFlags, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        eps = float(hf.get("rms_norm_eps", 1e-6))
+        self.input_layernorm = RMSNorm(int(hf["hidden_size"]), eps)
+        self.self_attn = Attention(hf, flags, rotary)
+        self.post_attention_layernorm = RMSNorm(int(hf["hidden_size"]), eps)
+        self.mlp = MLP(hf)
+
+    def forward(self, x, residual, cos_sin, meta, kv, backend):
+        residual = x if residual is None else x + residual
+        h = self.self_attn(self.input_layernorm(residual), cos_sin, meta, kv, backend)
+        residual = h + residual
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf: dict[str, Any], flags: ArchFlags) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(int(hf["vocab_size"]), int(hf["hidden_size"]))
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+        self.rotary = RotaryEmbedding(head_dim, hf)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf, flags, self.rotary) for _ in range(int(hf["num_hidden_layers"]))
+        )
+        self.norm = RMSNorm(int(hf["hidden_size"]), float(hf.get("rms_norm_eps", 1e-6)))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids, positions, meta, kv_cache, backend) -> final hidden states."""
+
+    def __init__(self, hf: dict[str, Any], flags: ArchFlags) -> None:
+        super().__init__()
+        self.hf = hf
+        self.model = LlamaModel(hf, flags)
+        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        self.lm_head = nn.Linear(int(hf["hidden_size"]), int(hf["vocab_size"]), bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
+        backend: Any,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # ([T, hidden], captured [T, hidden] each)
+        """Returns the final normed hidden states and the residual stream after each layer
+        index in `capture_layers` (what EAGLE-style drafters consume)."""
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        cos_sin = m.rotary.cos_sin(positions, x.dtype)
+        residual = None
+        captured: list[torch.Tensor] = []
+        for i, layer in enumerate(m.layers):
+            x, residual = layer(x, residual, cos_sin, meta, kv_cache[i], backend)
+            if i in capture_layers:
+                captured.append(x + residual)
+        return m.norm(x + residual), captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, V]
+        return self.lm_head(hidden).float()

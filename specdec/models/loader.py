@@ -1,0 +1,126 @@
+"""Build a model from an HF config and fill it from safetensors (or random, for "dummy")."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from specdec.models.llama import ARCHITECTURES, LlamaForCausalLM
+
+# HF checkpoint name -> (our parameter name, shard index within a fused weight).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def architecture_of(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            return a
+    raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}; "
+                     f"supported: {', '.join(sorted(ARCHITECTURES))}")
+
+
+def build_model(hf: dict[str, Any], path: str | None, dtype: torch.dtype,
+                device: torch.device, load_format: str = "auto") -> LlamaForCausalLM:
+    arch = architecture_of(hf)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf, ARCHITECTURES[arch])
+    model = model.to_empty(device=device).to(dtype)
+    if model.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    head_dim = model.model.rotary.inv_freq.numel() * 2
+    from specdec.models.rope import inverse_frequencies
+
+    inv, _ = inverse_frequencies(head_dim, hf)
+    model.model.rotary.inv_freq = inv.to(device)
+    if load_format == "dummy":
+        _init_random(model)
+    elif load_format == "auto":
+        if path is None:
+            raise ValueError("a model path is needed to load weights")
+        load_weights(model, Path(path))
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    return model.eval()
+
+
+@torch.no_grad()
+def _init_random(model: LlamaForCausalLM, std: float = 0.02) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen).mul_(std).to(p.dtype))
+
+
+def _tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    for f in files:
+        with safe_open(str(path / f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in _tensors(path):
+        if "rotary_emb" in name:
+            continue
+        if name == "lm_head.weight" and model.tie_word_embeddings:
+            # GGUF-converted checkpoints may store a copy of the tied output layer.
+            continue
+        parts = name.split(".")
+        target, shard = name, None
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, shard = _FUSED[parts[-2]]
+            target = ".".join(parts[:-2] + [fused, parts[-1]])
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        param = params[target]
+        if shard is None:
+            param.copy_(tensor)
+        else:
+            sizes = _shard_sizes(model, target)
+            start = sum(sizes[:shard])
+            param.narrow(0, start, sizes[shard]).copy_(tensor)
+        loaded.add(f"{target}#{shard}")
+    missing = [n for n in params if not _covered(n, loaded, model)]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights for: {missing[:8]}")
+
+
+def _shard_sizes(model: LlamaForCausalLM, target: str) -> list[int]:
+    attn = model.model.layers[0].self_attn
+    if "qkv_proj" in target:
+        return [attn.q_size, attn.kv_size, attn.kv_size]
+    inter = model.model.layers[0].mlp.inter
+    return [inter, inter]
+
+
+def _covered(name: str, loaded: set[str], model: LlamaForCausalLM) -> bool:
+    if name == "lm_head.weight" and model.tie_word_embeddings:
+        return True
+    if "qkv_proj" in name:
+        return all(f"{name}#{i}" in loaded for i in range(3))
+    if "gate_up_proj" in name:
+        return all(f"{name}#{i}" in loaded for i in range(2))
+    return f"{name}#None" in loaded

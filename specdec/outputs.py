@@ -1,0 +1,71 @@
+"""What the engine hands back: per-request outputs and speculation metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    """Speculation counters of one request (or of the whole engine, per method).
+
+    tau counts the bonus token: plain decoding has tau 1.0."""
+
+    method: str = "none"
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0
+    emitted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return self.emitted_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def record(self, num_draft: int, accepted_depth: int, emitted: int) -> None:
+        self.steps += 1
+        self.draft_tokens += num_draft
+        self.accepted_tokens += accepted_depth
+        self.emitted_tokens += emitted
+        while len(self.accepted_per_position) < accepted_depth:
+            self.accepted_per_position.append(0)
+        for i in range(accepted_depth):
+            self.accepted_per_position[i] += 1
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "steps": self.steps,
+                "tau": round(self.tau, 4), "acceptance_rate": round(self.acceptance_rate, 4),
+                "accepted_per_position": list(self.accepted_per_position)}
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # for the delta tokens
+    spec: SpecMetrics | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+    @property
+    def all_logprobs(self) -> list[TokenLogprob] | None:
+        return self.logprobs

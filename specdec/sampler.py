@@ -1,0 +1,101 @@
+"""Logits processing shared by plain decoding, verification and draft models.
+
+`process_logits` turns raw logits into the distribution a request samples from: penalties,
+temperature, then top-k, top-p and min-p filtering. Greedy rows (temperature 0) come back as a
+one-hot of their (penalised) argmax, so acceptance needs no separate greedy path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What a logits row's penalties depend on: the tokens before the position it predicts."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]  # generated tokens, including draft-path tokens for tree rows
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [R, V] float32, modified in place
+    params: Sequence[SamplingParams],
+    contexts: Sequence[RowContext],
+) -> None:
+    vocab = logits.shape[1]
+    for i, (p, ctx) in enumerate(zip(params, contexts)):
+        if not p.has_penalties:
+            continue
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(ctx.prompt) | set(ctx.output)), dtype=torch.long,
+                                device=row.device)
+            seen = seen[seen < vocab]
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                    vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and len(ctx.output):
+            out = torch.tensor(list(ctx.output), dtype=torch.long, device=row.device)
+            counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def process_logits(
+    logits: torch.Tensor,  # [R, V] float32 raw
+    params: Sequence[SamplingParams],
+    contexts: Sequence[RowContext] | None = None,
+) -> torch.Tensor:  # [R, V] float32 probabilities
+    logits = logits.float().clone()
+    if contexts is not None and any(p.has_penalties for p in params):
+        apply_penalties(logits, params, contexts)
+    dev = logits.device
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                         device=dev, dtype=torch.float32)
+    logits /= temps[:, None]
+    needs_topk = any(0 < p.top_k < logits.shape[1] for p in params)
+    needs_topp = any(p.top_p < 1.0 for p in params)
+    if needs_topk or needs_topp:
+        logits = _top_k_top_p(logits, params)
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=torch.float32)
+        cutoff = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        probs = torch.where(probs < cutoff, torch.zeros_like(probs), probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], onehot, probs)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    dev, vocab = logits.device, logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    drop = ranks >= ks[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= before >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def logprobs_of(
+    logits: torch.Tensor,  # [R, V] raw
+    chosen: torch.Tensor,  # [R] int64
+    top_n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [R], [R, n], [R, n]
+    """Log-probabilities of the model's raw distribution (before sampling transforms)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = lp.topk(max(top_n, 1), dim=-1)
+    return lp.gather(1, chosen[:, None]).squeeze(1), top.values, top.indices

@@ -1,0 +1,156 @@
+"""Iteration-level continuous batching: plans each engine step. Ints and lists only.
+
+Every step the scheduler (1) gives each running decode sequence one slot for its last token
+plus room for a draft tree, shrinking speculation when the step's token budget is tight and
+preempting the most recently admitted sequence (by recomputation) when blocks run out;
+(2) continues chunked prefills; (3) admits waiting requests first come, first served.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specdec.block_manager import BlockManager
+from specdec.config import SchedulerConfig
+from specdec.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledPrefill:
+    seq: Sequence
+    num_tokens: int  # chunk length: tokens num_computed .. num_computed + num_tokens - 1
+
+    @property
+    def completes(self) -> bool:
+        """This chunk reaches the sequence's last token, so the step samples after it."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class ScheduledDecode:
+    seq: Sequence
+    max_draft_nodes: int  # 0: plain decode; else the largest tree this step may verify
+
+
+@dataclass
+class StepPlan:
+    prefills: list[ScheduledPrefill] = field(default_factory=list)
+    decodes: list[ScheduledDecode] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return (sum(p.num_tokens for p in self.prefills)
+                + sum(1 + d.max_draft_nodes for d in self.decodes))
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int):
+        self.config = config
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks."""
+        seq.status = SeqStatus.FINISHED
+        self.blocks.free_seq(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.blocks.free_seq(seq)
+        self.running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+
+    def _draft_room(self, seq: Sequence, wanted: int) -> int:
+        # Never draft past the context limit or past what the request may still generate.
+        room = self.max_model_len - seq.num_tokens
+        left = seq.params.max_tokens - len(seq.output_token_ids) - 1
+        return max(0, min(wanted, room, left))
+
+    def schedule(self, draft_nodes: dict[str, int] | None = None) -> StepPlan:
+        """Plan one step. `draft_nodes[request_id]` is the tree size a sequence asks for."""
+        draft_nodes = draft_nodes or {}
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        decoding = [s for s in self.running if not s.in_prefill]
+        prefilling = [s for s in self.running if s.in_prefill]
+
+        # 1. Decodes. Speculation shares what is left of the budget after one token each, so
+        #    it shrinks (down to plain decoding) as the batch grows.
+        spare = max(0, budget - len(decoding))
+        wanted = {s.request_id: self._draft_room(s, draft_nodes.get(s.request_id, 0))
+                  for s in decoding}
+        total_wanted = sum(wanted.values())
+        scale = 1.0 if total_wanted <= spare else spare / total_wanted
+        for seq in decoding:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted below, by an earlier sequence
+            nodes = int(wanted[seq.request_id] * scale)
+            while not self.blocks.reserve(seq, 1 + nodes):
+                if nodes > 0:
+                    nodes = 0
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING:
+                plan.decodes.append(ScheduledDecode(seq, nodes))
+                budget -= 1 + nodes
+
+        # 2. Running prefills, then 3. waiting requests, in chunks under the token budget.
+        for seq in prefilling:
+            if seq.status is SeqStatus.RUNNING and budget > 0:
+                budget = self._schedule_prefill(seq, budget, plan)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.blocks.allocate_prefix(seq)
+            chunk = min(seq.num_uncomputed, budget)
+            if not self.blocks.can_reserve(seq, chunk):
+                if not self.running:
+                    # Nothing to wait for: take what fits, or fail loudly if nothing does.
+                    chunk = self._largest_fit(seq, chunk)
+                    if chunk == 0:
+                        raise RuntimeError("KV cache too small for a single block of prompt")
+                else:
+                    self.blocks.free_seq(seq)
+                    break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            budget = self._schedule_prefill(seq, budget, plan, chunk)
+        return plan
+
+    def _largest_fit(self, seq: Sequence, chunk: int) -> int:
+        free_slots = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
+        return max(0, min(chunk, free_slots - seq.num_computed))
+
+    def _schedule_prefill(self, seq: Sequence, budget: int, plan: StepPlan,
+                          chunk: int | None = None) -> int:
+        chunk = min(seq.num_uncomputed, budget) if chunk is None else chunk
+        if not self.blocks.reserve(seq, chunk):
+            chunk = self._largest_fit(seq, chunk)
+            if chunk == 0 or not self.blocks.reserve(seq, chunk):
+                return budget  # wait for blocks to come back
+        plan.prefills.append(ScheduledPrefill(seq, chunk))
+        return budget - chunk

@@ -1,0 +1,62 @@
+"""A request's token state as the scheduler and block manager see it: ints and lists only."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from specdec.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    # KV state: the first num_computed tokens have their KV in the cache. A running sequence
+    # in decode has num_computed == len(tokens) - 1: its last token is written next step.
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    finish_reason: str | None = None
+    aborted: bool = False
+    first_token_time: float | None = None
+    # Speculation chosen for this request: drafter method and settings (resolved by the engine).
+    spec_method: str = "none"
+    spec_k: int = 0
+    spec_options: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the last token still needs its KV computed."""
+        return self.num_uncomputed > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,161 @@
+"""After the target pass: verify every sampling sequence, commit KV, append tokens, finish."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from drafters.tree import DraftTree
+from specdec.outputs import RequestOutput, SpecMetrics, TokenLogprob
+from specdec.sampler import RowContext, logprobs_of, process_logits
+from specdec.sampling_params import SamplingParams
+from specdec.sequence import Sequence
+from specdec.verifier import verify_tree
+
+if TYPE_CHECKING:
+    from specdec.engine import LLMEngine
+    from specdec.model_runner import StepOutput
+    from specdec.scheduler import StepPlan
+
+
+def apply_verified(
+    engine: LLMEngine,
+    out: StepOutput,
+    samplers: list[tuple[Sequence, int]],
+    tree_lists: list[tuple[list[int], list[int]]],
+    tree_probs: list[torch.Tensor | None],
+    rows_params: list[SamplingParams],
+    rows_ctx: list[RowContext],
+    row_offsets: list[int],
+    plan: StepPlan,
+) -> list[RequestOutput]:
+    dev = out.logits.device
+    # The logits rows of completed prefills come first in `out`, then decodes: rows_params
+    # was built in the same order, so gather rows to match.
+    rows = []
+    for off, (toks, _) in zip(row_offsets, tree_lists):
+        rows += range(off, off + 1 + len(toks))
+    logits = out.logits[torch.tensor(rows, dtype=torch.long, device=dev)]  # [R, V]
+    probs = process_logits(logits, rows_params, rows_ctx)
+    tree = DraftTree.from_lists(tree_lists, tree_probs, engine.runner.vocab_size)
+    node_u: list[torch.Tensor] = []
+    bonus_u: list[float] = []
+    local_offsets: list[int] = []
+    r = 0
+    for (seq, _), (toks, _) in zip(samplers, tree_lists):
+        local_offsets.append(r)
+        r += 1 + len(toks)
+        if seq.params.greedy:
+            node_u.append(torch.zeros(len(toks)))
+            bonus_u.append(0.0)
+        else:
+            u = torch.rand(len(toks) + 1, generator=engine._gens[seq.request_id])
+            node_u.append(u[:-1])
+            bonus_u.append(float(u[-1]))
+    greedy = torch.tensor([s.params.greedy for s, _ in samplers], device=dev)
+    res = verify_tree(probs, torch.tensor(local_offsets, dtype=torch.long, device=dev), tree,
+                      greedy, torch.cat(node_u).to(dev), torch.tensor(bonus_u, device=dev))
+    # The step's one host synchronisation: results come back together.
+    tokens_h = res.tokens.tolist()
+    num_h = res.num_tokens.tolist()
+    acc_h = res.accepted_nodes.tolist()
+    want_lp = [s.params.logprobs is not None for s, _ in samplers]
+    lp_rows: list[int] = []
+    lp_tokens: list[int] = []
+    for b, (seq, _) in enumerate(samplers):
+        if want_lp[b]:
+            path_rows = [0] + [1 + a for a in acc_h[b][:num_h[b] - 1]]
+            lp_rows += [local_offsets[b] + pr for pr in path_rows]
+            lp_tokens += tokens_h[b][:num_h[b]]
+    lp = None
+    if lp_rows:
+        top_n = max(s.params.logprobs or 0 for s, _ in samplers)
+        idx = torch.tensor(lp_rows, dtype=torch.long, device=dev)
+        chosen, top_v, top_i = logprobs_of(logits[idx], torch.tensor(lp_tokens, device=dev),
+                                           top_n)
+        lp = (chosen.tolist(), top_v.tolist(), top_i.tolist())
+
+    bm = engine.blocks
+    num_prefills = sum(p.completes for p in plan.prefills)
+    src: list[int] = []
+    dst: list[int] = []
+    outputs: list[RequestOutput] = []
+    lp_cursor = 0
+    now = time.monotonic()
+    for b, (seq, ctx) in enumerate(samplers):
+        toks, pars = tree_lists[b]
+        n = num_h[b]
+        new = tokens_h[b][:n]
+        accepted = acc_h[b][:n - 1]
+        is_decode = b >= num_prefills
+        if is_decode:
+            # KV of the accepted path moves to consecutive positions after the root.
+            for j, a in enumerate(accepted):
+                if a != j:
+                    src.append(bm.slot(seq, ctx + 1 + a))
+                    dst.append(bm.slot(seq, ctx + 1 + j))
+            bm.commit(seq, ctx + 1 + len(accepted))
+        else:
+            bm.commit(seq, seq.num_tokens)  # a completed prefill: every token has its KV
+        if seq.request_id in engine._spec and is_decode:
+            _record(engine, seq, len(toks), len(accepted), n)
+        logprobs = None
+        if want_lp[b] and lp is not None:
+            k = seq.params.logprobs or 0
+            logprobs = [TokenLogprob(t, lp[0][lp_cursor + i],
+                                     dict(zip(lp[2][lp_cursor + i][:k], lp[1][lp_cursor + i][:k])))
+                        for i, t in enumerate(new)]
+            lp_cursor += n
+        kept, reason = finish_check(engine, seq, new)
+        if logprobs is not None:
+            logprobs = logprobs[:len(kept)]
+        seq.output_token_ids += kept
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if seq.spec_method != "none" and reason is None:
+            engine._drafter_of(seq).accepted(seq.request_id, seq.num_tokens, kept)
+        if reason is None and seq.num_tokens >= engine.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            engine.scheduler.finish(seq)
+            engine._release_drafter(seq)
+        outputs.append(engine._output(seq, kept, logprobs, finished=reason is not None))
+    engine.runner.move_kv(src, dst)
+    return outputs
+
+
+def _record(engine: LLMEngine, seq: Sequence, drafted: int, accepted: int, emitted: int) -> None:
+    engine._spec[seq.request_id].record(drafted, accepted, emitted)
+    tot = engine.spec_totals.setdefault(seq.spec_method, SpecMetrics(method=seq.spec_method))
+    tot.record(drafted, accepted, emitted)
+
+
+def finish_check(engine: Any, seq: Sequence, new: list[int]) -> tuple[list[int], str | None]:
+    """Cut `new` at the first stop condition. Returns (tokens to keep, finish reason)."""
+    p = seq.params
+    kept: list[int] = []
+    for t in new:
+        kept.append(t)
+        n_out = len(seq.output_token_ids) + len(kept)
+        if n_out >= p.min_tokens:
+            if t in p.stop_token_ids or (not p.ignore_eos and t in engine._eos):
+                return kept, "stop"
+        if n_out >= p.max_tokens:
+            return kept, "length"
+    if p.stop:
+        detok = engine._detok[seq.request_id]
+        at = detok.find_stop(seq.output_token_ids + kept, p.stop)
+        if at is not None:
+            return _cut_at_stop(detok, seq, kept, at), "stop"
+    return kept, None
+
+
+def _cut_at_stop(detok: Any, seq: Sequence, kept: list[int], at: int) -> list[int]:
+    """Keep the fewest new tokens whose text reaches the stop string (which is not output)."""
+    for i in range(len(kept) + 1):
+        if len(detok.decode_output(seq.output_token_ids + kept[:i])) > at:
+            return kept[:i]
+    return kept
