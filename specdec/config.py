@@ -135,7 +135,12 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {mc.dtype!r}")
     from specdec.hub import resolve_model_path
 
-    path = Path(mc.path) if mc.path else resolve_model_path(mc.model)
+    if mc.path:
+        path = Path(mc.path)
+    elif mc.load_format == "dummy" and (Path(mc.model) / "config.json").is_file():
+        path = Path(mc.model)  # random weights: config.json and a tokenizer are enough
+    else:
+        path = resolve_model_path(mc.model)
     hf = load_hf_config(path)
     max_len = mc.max_model_len or int(hf.get("max_position_embeddings", 4096))
     max_len = min(max_len, 32768)

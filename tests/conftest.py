@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("llama"), "llama", vocab_size=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("draft"), "llama", vocab_size=64, layers=1,
+                      seed=1)

@@ -1,0 +1,129 @@
+"""Block accounting with no model: reserve/commit, prefix caching, eviction, preemption."""
+
+from __future__ import annotations
+
+import random
+
+from specdec.block_manager import BlockManager
+from specdec.config import SchedulerConfig
+from specdec.sampling_params import SamplingParams
+from specdec.scheduler import Scheduler
+from specdec.sequence import Sequence
+
+
+def seq(rid: str, tokens: list[int], max_tokens: int = 16) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=max_tokens))
+
+
+def test_reserve_commit_releases_rejected_slots():
+    bm = BlockManager(8, 4)
+    s = seq("a", list(range(6)))
+    assert bm.reserve(s, 6) and len(s.block_table) == 2
+    bm.commit(s, 6)
+    assert bm.reserve(s, 1 + 7)  # root + a 7-node tree: slots 6..13 -> 4 blocks
+    assert len(s.block_table) == 4
+    bm.commit(s, 6 + 1 + 2)  # root and two nodes accepted
+    assert len(s.block_table) == 3 and bm.num_used == 3
+    bm.free_seq(s)
+    assert bm.num_free == 8
+
+
+def test_prefix_cache_hit_and_lru_eviction():
+    bm = BlockManager(6, 4)
+    a = seq("a", list(range(10)))
+    bm.allocate_prefix(a)
+    bm.reserve(a, 10)
+    bm.commit(a, 10)  # blocks 0,1 full and hashed
+    bm.free_seq(a)
+    assert bm.num_free == 6
+    b = seq("b", list(range(9)) + [99])
+    assert bm.allocate_prefix(b) == 8 and b.num_cached_prompt_tokens == 8
+    # The whole prompt cached still leaves its last token to compute.
+    c = seq("c", list(range(8)))
+    assert bm.allocate_prefix(c) == 4
+    bm.free_seq(b)
+    bm.free_seq(c)
+    # Fill the pool: cached blocks are evicted, least recently used first.
+    d = seq("d", [7] * 24)
+    bm.allocate_prefix(d)
+    assert bm.reserve(d, 24)
+    assert bm.num_free == 0 and not bm.hash_to_block
+    bm.free_seq(d)
+
+
+def test_random_workload_returns_every_block():
+    rng = random.Random(0)
+    bm = BlockManager(40, 4)
+    live: list[Sequence] = []
+    for i in range(500):
+        if live and rng.random() < 0.4:
+            bm.free_seq(live.pop(rng.randrange(len(live))))
+            continue
+        s = seq(str(i), [rng.randrange(5) for _ in range(rng.randrange(1, 20))])
+        bm.allocate_prefix(s)
+        if not bm.reserve(s, s.num_uncomputed):
+            bm.free_seq(s)
+            continue
+        bm.commit(s, s.num_tokens - 1)
+        for _ in range(rng.randrange(4)):
+            s.output_token_ids.append(rng.randrange(5))
+            tree = rng.randrange(6)
+            if not bm.reserve(s, 1 + tree):
+                break
+            bm.commit(s, s.num_computed + 1 + rng.randrange(tree + 1))
+            s.output_token_ids += [1] * (s.num_computed - s.num_tokens + 1)
+        live.append(s)
+        assert all(bm.ref_counts[b] >= 1 for x in live for b in x.block_table)
+    for s in live:
+        bm.free_seq(s)
+    assert bm.num_free == 40 and all(r == 0 for r in bm.ref_counts)
+
+
+def test_scheduler_chunks_prefill_under_token_budget():
+    bm = BlockManager(64, 4)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), bm, 512)
+    a, b = seq("a", list(range(25))), seq("b", list(range(3)))
+    sch.add(a)
+    sch.add(b)
+    plan = sch.schedule()
+    assert [(p.seq.request_id, p.num_tokens) for p in plan.prefills] == [("a", 10)]
+    bm.commit(a, 10)
+    plan = sch.schedule()
+    assert [(p.seq.request_id, p.num_tokens) for p in plan.prefills] == [("a", 10)]
+    bm.commit(a, 20)
+    plan = sch.schedule()
+    assert [(p.seq.request_id, p.num_tokens) for p in plan.prefills] == [("a", 5), ("b", 3)]
+    assert all(p.completes for p in plan.prefills)
+
+
+def test_scheduler_shrinks_speculation_then_preempts_newest():
+    bm = BlockManager(6, 4)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8), bm, 512)
+    seqs = [seq(str(i), [1, 2, 3]) for i in range(3)]
+    for s in seqs:
+        sch.add(s)
+    sch.schedule()
+    for s in seqs:
+        bm.commit(s, 3)
+        s.output_token_ids.append(4)
+    # Each wants a 7-node tree; the 8-token budget leaves 5 spare for 3 sequences.
+    plan = sch.schedule({s.request_id: 7 for s in seqs})
+    assert sum(d.max_draft_nodes for d in plan.decodes) <= 5
+    assert plan.num_tokens <= 8
+
+
+def test_scheduler_preempts_newest_when_blocks_run_out():
+    bm = BlockManager(4, 4)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm, 512)
+    seqs = [seq(str(i), [1, 2, 3, 4]) for i in range(3)]
+    for s in seqs:
+        sch.add(s)
+    assert len(sch.schedule().prefills) == 3
+    for s in seqs:
+        bm.commit(s, 4)
+        s.output_token_ids.append(5)
+    # Every sequence now needs a second block; only one is free.
+    plan = sch.schedule()
+    assert [p.request_id for p in plan.preempted] == ["2"]
+    assert [d.seq.request_id for d in plan.decodes] == ["0", "1"]
+    assert seqs[2] in sch.waiting and seqs[2].num_computed == 0 and not seqs[2].block_table

@@ -1,0 +1,174 @@
+"""End-to-end engine invariants on tiny random models (float32, CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdec import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = [
+    [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2],
+    [7, 8, 9],
+    list(range(2, 50)),
+    [5] * 30,
+    [9, 10, 11, 9, 10, 11, 9, 10, 12, 13, 9, 10],
+    list(range(60, 2, -3)),
+]
+
+
+def plain(model, **kw) -> LLM:
+    return LLM(model=str(model), speculative={"method": "none"}, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    llm = plain(tiny_llama)
+    return [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+
+
+def test_mixed_batch_equals_each_alone(tiny_llama, reference):
+    outs = plain(tiny_llama, max_num_batched_tokens=40).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_preemption_keeps_outputs(tiny_llama, reference):
+    llm = plain(tiny_llama, block_size=4, num_blocks=24, max_num_batched_tokens=32)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert llm.engine.blocks.num_used == 0
+
+
+def test_prefix_cache_hits_keep_outputs(tiny_llama, reference):
+    llm = plain(tiny_llama, block_size=4)
+    llm.generate(PROMPTS, GREEDY)
+    hits_before = llm.engine.blocks.prefix_hits
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.blocks.prefix_hits > hits_before
+    assert any(o.num_cached_tokens > 0 for o in outs)
+    assert [o.token_ids for o in outs] == reference
+
+
+SPECS = [
+    {"method": "ngram", "num_speculative_tokens": 4, "branches": 1},
+    {"method": "ngram", "num_speculative_tokens": 5, "branches": 3},
+    {"method": "draft_model", "num_speculative_tokens": 3},
+    {"method": "draft_model", "num_speculative_tokens": 3, "branches": 2},
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s['method']}-b{s.get('branches', 1)}")
+def test_greedy_speculation_equals_plain_at_batch_1(tiny_llama, tiny_draft, reference, spec):
+    spec = dict(spec, draft_model=str(tiny_draft)) if spec["method"] == "draft_model" else spec
+    llm = LLM(model=str(tiny_llama), speculative=spec)
+    for prompt, ref in zip(PROMPTS, reference):
+        out = llm.generate([prompt], GREEDY)[0]
+        assert out.token_ids == ref
+        assert out.spec is not None and out.spec.steps > 0
+    assert llm.engine.blocks.num_used == 0
+
+
+def test_mixed_drafters_in_one_batch_of_8(tiny_llama, tiny_draft, reference):
+    llm = LLM(model=str(tiny_llama), speculative={"method": "draft_model",
+                                                  "draft_model": str(tiny_draft)})
+    # The draft model's own draft: it accepts everything, exercising the all-accepted case.
+    self_draft = {"method": "draft_model", "draft_model": str(tiny_llama),
+                  "num_speculative_tokens": 4}
+    specs = [SPECS[0], SPECS[1], SPECS[2], SPECS[3], {"method": "none"}, self_draft, None,
+             SPECS[1]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, speculative=s)
+              for s in specs]
+    outs = llm.generate(prompts, params)
+    for i, o in enumerate(outs):
+        assert o.token_ids == reference[i % len(PROMPTS)], specs[i]
+    assert outs[4].spec is None
+    assert outs[5].spec.tau > 3.0  # a self-draft accepts every token
+    assert llm.engine.blocks.num_used == 0
+
+
+def test_random_aborts_free_every_block(tiny_llama, tiny_draft):
+    llm = LLM(model=str(tiny_llama), speculative={"method": "ngram"}, block_size=4,
+              num_blocks=200, max_num_seqs=16)
+    eng = llm.engine
+    rng = random.Random(0)
+    live: set[str] = set()
+    n = 0
+    for step in range(400):
+        if n < 200 and rng.random() < 0.6:
+            rid = f"r{n}"
+            spec = rng.choice([None, {"method": "none"}, SPECS[1],
+                               {"method": "draft_model", "draft_model": str(tiny_draft)}])
+            prompt = [rng.randrange(1, 8) for _ in range(rng.randrange(2, 30))]
+            eng.add_request(rid, prompt, SamplingParams(
+                temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(1, 20),
+                speculative=spec, seed=n))
+            live.add(rid)
+            n += 1
+        if live and rng.random() < 0.15:
+            eng.abort_request(rng.choice(sorted(live)))
+        for out in eng.step():
+            if out.finished:
+                live.discard(out.request_id)
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                live.discard(out.request_id)
+    assert n == 200 and not live
+    assert eng.blocks.num_used == 0
+    assert all(r == 0 for r in eng.blocks.ref_counts)
+    for d in eng._drafters.values():
+        if hasattr(d, "blocks"):
+            assert d.blocks.num_used == 0
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama):
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=123, ignore_eos=True)
+    a = LLM(model=str(tiny_llama), speculative={"method": "ngram"}).generate(PROMPTS, p)
+    b = LLM(model=str(tiny_llama), speculative={"method": "ngram"}).generate(PROMPTS[::-1], p)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b][::-1]
+
+
+def test_stop_strings_tokens_and_logprobs(tiny_llama, reference):
+    llm = plain(tiny_llama)
+    ref_text = llm.generate([PROMPTS[0]], GREEDY)[0].text
+    words = ref_text.split()
+    stop = " ".join(words[3:5])
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                                    ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert ref_text.startswith(out.text.rstrip())
+    out = llm.generate([PROMPTS[0]], SamplingParams(
+        temperature=0, max_tokens=24, stop_token_ids=[reference[0][5]], ignore_eos=True))[0]
+    assert out.token_ids == reference[0][:6] and out.finish_reason == "stop"
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=5, logprobs=3,
+                                                    ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_streaming_deltas_add_up(tiny_llama):
+    llm = LLM(model=str(tiny_llama), speculative={"method": "ngram"})
+    deltas: dict[str, list[int]] = {}
+    text: dict[str, str] = {}
+    final = {}
+    for out in llm.stream(PROMPTS[:3], GREEDY):
+        deltas.setdefault(out.request_id, []).extend(out.delta_token_ids)
+        text[out.request_id] = text.get(out.request_id, "") + out.delta_text
+        if out.finished:
+            final[out.request_id] = out
+    for rid, out in final.items():
+        assert deltas[rid] == out.token_ids and text[rid] == out.text
+
+
+def test_bad_requests_are_clear_errors(tiny_llama):
+    llm = plain(tiny_llama, max_model_len=64)
+    with pytest.raises(ValueError, match="context"):
+        llm.engine.add_request("a", list(range(1, 60)) * 2, GREEDY)
+    with pytest.raises(ValueError, match="unknown speculative method"):
+        llm.engine.add_request("b", [1, 2], SamplingParams(speculative={"method": "magic"}))
+    with pytest.raises(ValueError, match="token ids"):
+        llm.engine.add_request("c", [1, 10_000], GREEDY)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
