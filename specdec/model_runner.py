@@ -53,6 +53,15 @@ class ModelRunner:
                               mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
         self.backend = get_attention_backend(attention_backend, self.device)
         self.vocab_size = mc.vocab_size
+        # --- CUDA graphs: CUDA with the Triton backend only; None keeps every step eager. ---
+        self.graphs = None
+        if self.device.type == "cuda" and getattr(self.backend, "name", "") == "triton":
+            from specdec.cuda_graphs import GraphRunner
+
+            width = -(-int(mc.max_model_len or 4096) // cc.block_size)
+            self.graphs = GraphRunner(self.model, self.kv, self.backend, cc.block_size, width,
+                                      self.device)
+        # --- end CUDA graphs ---
 
     def _budget_blocks(self, mc: ModelConfig, cc: CacheConfig) -> int:
         per_block = kv_bytes_per_block(mc, cc.block_size)
@@ -109,6 +118,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, segments: list[Segment], capture_layers: tuple[int, ...] = ()
                 ) -> StepOutput:
+        if self.graphs is not None and not capture_layers:  # CUDA graphs (see __init__)
+            out = self.graphs.execute(segments)
+            if out is not None:
+                return out
         input_ids, positions, meta = self.build_inputs(segments)
         hidden, _ = self.model(input_ids, positions, meta, self.kv, self.backend, capture_layers)
         rows: list[int] = []

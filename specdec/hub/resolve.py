@@ -69,7 +69,7 @@ def pull(name: str, progress: bool = True) -> Path:
 
 
 def check_hf_dir(path: Path) -> Path:
-    """Return `path` if it holds config, safetensors weights and a tokenizer; else say what lacks."""
+    """Return `path` if it has config, safetensors weights and a tokenizer; else say what lacks."""
     missing: list[str] = []
     if not (path / "config.json").is_file():
         missing.append("config.json")

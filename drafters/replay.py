@@ -1,0 +1,154 @@
+"""Replay: proposes the target's own future tokens, corrupted at a set rate (for benchmarks).
+
+A plain run records what the target generates for each prompt (`record`); the replay drafter
+then proposes those tokens, replacing each by a different token with probability
+`corrupt_rate`. Under greedy verification a replaced token is always rejected, so the rate alone
+sets the acceptance: a chain of k proposals accepts on average sum_{i=1..k} (1 - r)^i tokens,
+tau = 1 + that (`expected_tau`). The drafter itself costs almost nothing, so a benchmark built on
+it measures the engine's verification cost, not a drafter's quality. Where no script applies
+(none recorded, or the history left it), every proposal is a random token: the tree keeps its
+shape and is rejected, which is how a recording run with `corrupt_rate` 1 verifies trees of
+the same shape as the runs it is replayed into.
+
+Options: `corrupt_rate` r (default 0), `branches` b (default 1: a chain). With b > 1 every depth
+gets b - 1 sibling leaves beside the chain node; when the chain node is corrupted, each sibling
+in turn carries the true token with probability 1 - r (a second guess, as tree drafters make).
+`script`: {request_id: the request's whole expected token sequence, prompt then output}
+overrides the recorded registry; `seed` (default 0).
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from typing import Any
+
+from drafters.base import Drafter, DraftRequest, register
+from drafters.tree import DraftTree
+
+# prompt token ids -> the target's generated token ids after it
+_RECORDED: dict[tuple[int, ...], list[int]] = {}
+
+
+def record(prompt: list[int], output: list[int]) -> None:
+    """Register the target's output for `prompt` (what a plain greedy run generated)."""
+    _RECORDED[tuple(int(t) for t in prompt)] = [int(t) for t in output]
+
+
+def clear_recorded() -> None:
+    _RECORDED.clear()
+
+
+def expected_tau(corrupt_rate: float, k: int) -> float:
+    """Mean tokens per verification step of a replayed chain of k under greedy decoding."""
+    p = 1.0 - corrupt_rate
+    return 1.0 + sum(p ** i for i in range(1, k + 1))
+
+
+def rate_for_tau(tau: float, k: int) -> float:
+    """The corrupt rate whose chain of k gives `tau` (bisection; tau must be in [1, k + 1])."""
+    if not 1.0 <= tau <= k + 1:
+        raise ValueError(f"tau {tau} is out of reach of a chain of {k}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tau(mid, k) > tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+class _Cursor:
+    """Where a request stands in its script."""
+
+    def __init__(self, prompt_len: int, future: list[int] | None, seed: int) -> None:
+        self.prompt_len = prompt_len
+        self.future = future
+        self.rng = random.Random(seed)
+
+
+@register
+class ReplayDrafter(Drafter):
+    name = "replay"
+
+    def __init__(self, target_vocab: dict[str, int] | None = None, **_: Any) -> None:
+        self._vocab = max(target_vocab.values()) + 1 if target_vocab else None
+        self._cursors: dict[str, _Cursor] = {}
+        self.proposed = 0  # nodes proposed
+        self.off_script = 0  # steps whose history had left the script (random proposals)
+
+    def max_nodes(self, k: int, options: dict[str, Any]) -> int:
+        return k * max(1, int(options.get("branches", 1)))
+
+    def propose(self, batch: list[DraftRequest]) -> DraftTree:
+        return DraftTree.from_lists([self._one(r) for r in batch])
+
+    def release(self, request_id: str) -> None:
+        self._cursors.pop(request_id, None)
+
+    def _cursor(self, r: DraftRequest) -> _Cursor:
+        cur = self._cursors.get(r.request_id)
+        if cur is not None:
+            return cur
+        seed = zlib.crc32(f"{int(r.options.get('seed', 0))}:{r.request_id}".encode())
+        script = r.options.get("script") or {}
+        if r.request_id in script:
+            cur = _Cursor(0, list(script[r.request_id]), seed)
+        else:
+            best = None
+            for prompt, future in _RECORDED.items():
+                n = len(prompt)
+                fits = n <= len(r.tokens) and tuple(r.tokens[:n]) == prompt
+                if fits and (best is None or n > best[0]):
+                    best = (n, future)
+            cur = _Cursor(0, None, seed) if best is None else _Cursor(best[0], best[1], seed)
+        self._cursors[r.request_id] = cur
+        return cur
+
+    def _one(self, r: DraftRequest) -> tuple[list[int], list[int]]:
+        cur = self._cursor(r)
+        rng = cur.rng
+        truth: list[int] = []
+        if cur.future is not None:
+            done = len(r.tokens) - cur.prompt_len
+            if r.tokens[cur.prompt_len:] == cur.future[:done]:
+                truth = cur.future[done:done + r.k]
+            else:
+                self.off_script += 1
+        rate = float(r.options.get("corrupt_rate", 0.0))
+        branches = max(1, int(r.options.get("branches", 1)))
+        tokens: list[int] = []
+        parents: list[int] = []
+        chain_parent = -1
+        for d in range(r.k):
+            if len(tokens) + 1 > r.max_nodes:
+                break
+            # Past the script (or off it) every guess is a random token: the tree keeps its
+            # shape, so a step costs the same whether or not the script still applies.
+            t = truth[d] if d < len(truth) else None
+            bad = t is None or rng.random() < rate
+            main = self._other(t, rng, ()) if bad else t
+            level = [main]
+            placed = not bad
+            for _ in range(branches - 1):
+                if not placed and t is not None and rng.random() >= rate:
+                    level.append(t)
+                    placed = True
+                else:
+                    level.append(self._other(t, rng, level))
+            level = level[:r.max_nodes - len(tokens)]
+            here = len(tokens)
+            tokens += level
+            parents += [chain_parent] * len(level)
+            chain_parent = here
+        self.proposed += len(tokens)
+        return tokens, parents
+
+    def _other(self, t: int | None, rng: random.Random, avoid) -> int:
+        """A token other than `t` and the tokens in `avoid` (siblings must differ)."""
+        vocab = self._vocab or 2 + max([t or 0, *avoid]) + len(avoid)
+        while True:
+            x = rng.randrange(vocab)
+            if x != t and x not in avoid:
+                return x

@@ -1,0 +1,147 @@
+"""The Starlette application: routes, API-key auth, and the mapping of every failure to an
+OpenAI error object."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from server import protocol
+from server.async_engine import AsyncEngine, QueueFullError, RequestFailedError, ShuttingDownError
+from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.openapi import openapi_schema
+from server.protocol import APIError
+from server.serving import Serving
+
+log = logging.getLogger("specdec.server")
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def to_api_error(exc: Exception) -> APIError:
+    """Map what submitting or running a request can raise to the client's error."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), code="queue_full",
+                        headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, ShuttingDownError):
+        return APIError(503, str(exc), code="shutting_down", headers={"Retry-After": "5"})
+    if isinstance(exc, ValueError):  # the engine rejected the request as given
+        msg = str(exc)
+        if "context" in msg.lower() or "too long" in msg.lower():
+            return APIError(413, msg, param="prompt", code="context_length_exceeded")
+        return APIError(400, msg)
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), code="engine_error")
+    log.exception("unhandled error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}")
+
+
+def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | None = None,
+              model_name: str | None = None, metrics: ServerMetrics | None = None,
+              shutdown_grace: float = 0.0) -> Starlette:
+    """Build the app around an `LLMEngine` (wrapped here) or an `AsyncEngine`.
+
+    The app owns the AsyncEngine's lifetime: lifespan shutdown aborts what is still running
+    after `shutdown_grace` seconds (the CLI drains before that, on SIGTERM)."""
+    if isinstance(engine, AsyncEngine):
+        aengine = engine
+    else:
+        aengine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
+    metrics = aengine.metrics
+    name = model_name or str(getattr(aengine.engine, "model_name", "specdec"))
+    max_len = int(aengine.engine.max_model_len)
+    serving = Serving(aengine, name, max_len)
+    started = int(time.time())
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                  api_key.encode()):
+            raise APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def endpoint(label: str, fn: Handler, auth: bool = True) -> Handler:
+        async def handler(request: Request) -> Response:
+            try:
+                if auth:
+                    check_auth(request)
+                resp = await fn(request)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an error object
+                resp = error_response(to_api_error(exc))
+            metrics.requests.labels(label, str(resp.status_code)).inc()
+            return resp
+
+        return handler
+
+    def generation(parse: Callable[[dict[str, Any]], protocol.GenerationRequest]) -> Handler:
+        async def run(request: Request) -> Response:
+            body = protocol.parse_json(await request.body())
+            return await serving.handle(parse(body), request)
+
+        return run
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": name, "object": "model", "created": started, "owned_by": "specdec",
+            "max_model_len": max_len}]})
+
+    async def health(_: Request) -> Response:
+        if aengine.draining or not aengine.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok", "running": aengine.engine.num_running,
+                             "waiting": aengine.engine.num_waiting})
+
+    async def metrics_text(_: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def openapi(_: Request) -> Response:
+        return JSONResponse(openapi_schema(name))
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 500)
+        err = APIError(status, f"{request.method} {request.url.path}: "
+                       f"{getattr(exc, 'detail', 'error')}",
+                       code="not_found" if status == 404 else None)
+        metrics.requests.labels("unknown", str(status)).inc()
+        return error_response(err)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        await aengine.shutdown(shutdown_grace)
+
+    routes = [
+        Route("/v1/completions", endpoint("completions", generation(protocol.parse_completion)),
+              methods=["POST"]),
+        Route("/v1/chat/completions", endpoint("chat", generation(protocol.parse_chat)),
+              methods=["POST"]),
+        Route("/infill", endpoint("infill", generation(protocol.parse_infill)),
+              methods=["POST"]),
+        Route("/v1/models", endpoint("models", models), methods=["GET"]),
+        Route("/health", endpoint("health", health, auth=False), methods=["GET"]),
+        Route("/metrics", metrics_text, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: not_found},
+                    lifespan=lifespan)
+    app.state.engine = aengine
+    app.state.serving = serving
+    return app

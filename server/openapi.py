@@ -1,0 +1,151 @@
+"""A hand-written OpenAPI 3 description of the server's endpoints and request bodies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _num(desc: str, lo: float | None = None, hi: float | None = None,
+         integer: bool = False) -> dict[str, Any]:
+    s: dict[str, Any] = {"type": "integer" if integer else "number", "description": desc}
+    if lo is not None:
+        s["minimum"] = lo
+    if hi is not None:
+        s["maximum"] = hi
+    return s
+
+
+_STOP = {"description": "Up to 16 strings that end generation (not included in the output)",
+         "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
+                                         "maxItems": 16}]}
+
+SPECULATIVE = {
+    "type": "object", "nullable": True,
+    "description": "Per-request speculation; omitted or null uses the server's default.",
+    "properties": {
+        "method": {"type": "string", "description": "'ngram', 'draft_model' or 'none'"},
+        "num_speculative_tokens": _num("Draft tokens per step", 0, 64, integer=True),
+    },
+    "additionalProperties": True,
+}
+
+SAMPLING: dict[str, Any] = {
+    "model": {"type": "string", "description": "Must match the served model id if given"},
+    "temperature": _num("0 is greedy", 0, 2),
+    "top_p": _num("Nucleus sampling mass", 0, 1),
+    "top_k": _num("-1 or 0 disables", -1, integer=True),
+    "min_p": _num("Minimum probability relative to the top token", 0, 1),
+    "presence_penalty": _num("OpenAI presence penalty", -2, 2),
+    "frequency_penalty": _num("OpenAI frequency penalty", -2, 2),
+    "repetition_penalty": _num("Multiplicative repetition penalty (1 is off)", 0, 10),
+    "stop": _STOP,
+    "seed": _num("Sampling seed; with n > 1 choice i uses seed + i", integer=True),
+    "n": _num("Number of choices", 1, 16, integer=True),
+    "stream": {"type": "boolean", "description": "Server-sent events ending in data: [DONE]"},
+    "stream_options": {"type": "object",
+                       "properties": {"include_usage": {"type": "boolean"}}},
+    "speculative": SPECULATIVE,
+}
+
+COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
+    "prompt": {"description": "Text, token ids, or a list of one of either",
+               "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+                         {"type": "array", "maxItems": 1, "items": {"type": "string"}}]},
+    "suffix": {"type": "string", "description": "Fill-in-the-middle: text after the cursor; "
+               "needs a model with FIM tokens"},
+    "max_tokens": _num("Default 16", 1, integer=True),
+    "logprobs": _num("Top-n log-probabilities per token", 0, 20, integer=True),
+    "echo": {"type": "boolean"},
+    **SAMPLING}}
+
+CHAT = {"type": "object", "required": ["messages"], "properties": {
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role"], "properties": {
+            "role": {"type": "string",
+                     "enum": ["system", "developer", "user", "assistant", "tool"]},
+            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+                "type": "object", "properties": {"type": {"enum": ["text"]},
+                                                 "text": {"type": "string"}}}}]}}}},
+    "max_tokens": _num("Default: the rest of the context", 1, integer=True),
+    "max_completion_tokens": _num("Alias of max_tokens", 1, integer=True),
+    "logprobs": {"type": "boolean"},
+    "top_logprobs": _num("Needs logprobs: true", 0, 20, integer=True),
+    **SAMPLING}}
+
+INFILL = {"type": "object", "description": "llama.cpp's /infill request", "properties": {
+    "input_prefix": {"type": "string"}, "input_suffix": {"type": "string"},
+    "input_extra": {"type": "array", "items": {"type": "object", "properties": {
+        "filename": {"type": "string"}, "text": {"type": "string"}}}},
+    "prompt": {"type": "string", "description": "Text placed after the FIM middle token"},
+    "n_predict": _num("-1: until the context is full", -1, integer=True),
+    "n_probs": _num("Top-n log-probabilities", 0, 20, integer=True),
+    "repeat_penalty": _num("Alias of repetition_penalty", 0, 10),
+    **{k: v for k, v in SAMPLING.items() if k not in ("n", "stream_options")}}}
+
+ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+    "message": {"type": "string"}, "type": {"type": "string"},
+    "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True},
+}}}}
+
+USAGE = {"type": "object", "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+    "total_tokens": {"type": "integer"},
+    "speculative": {"type": "object", "nullable": True, "properties": {
+        "method": {"type": "string"}, "draft_tokens": {"type": "integer"},
+        "accepted_tokens": {"type": "integer"}, "steps": {"type": "integer"},
+        "tau": {"type": "number"},
+        "accepted_per_position": {"type": "array", "items": {"type": "integer"}}}}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    text = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model",
+            413: "Prompt longer than the context", 429: "Queue full (see Retry-After)",
+            503: "Shutting down"}
+    return {str(c): {"description": text[c], **ref} for c in codes}
+
+
+def _post(summary: str, schema: str, ok: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
+        "responses": {"200": {"description": ok, "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}}}},
+            **_errors(400, 401, 404, 413, 429, 503)}}}
+
+
+def _get(summary: str, media: str = "application/json", auth: bool = False) -> dict[str, Any]:
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": {media: {
+        "schema": {"type": "string" if media.startswith("text") else "object"}}}}}
+    if auth:
+        responses.update(_errors(401))
+    return {"get": {"summary": summary, "responses": responses}}
+
+
+def openapi_schema(model_name: str) -> dict[str, Any]:
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "specdec", "version": "0.1.0",
+                 "description": f"OpenAI-compatible server for {model_name} with speculative "
+                 "decoding. Authenticate with 'Authorization: Bearer <key>' when the server "
+                 "was started with --api-key."},
+        "paths": {
+            "/v1/completions": _post("Text and fill-in-the-middle completion", "Completion",
+                                     "text_completion object or chunks"),
+            "/v1/chat/completions": _post("Chat completion", "ChatCompletion",
+                                          "chat.completion object or chunks"),
+            "/infill": _post("llama.cpp-style code infill", "Infill",
+                             "{content, stop, tokens_predicted, ...}"),
+            "/v1/models": _get("The served model", auth=True),
+            "/health": _get("200 while serving, 503 while draining"),
+            "/metrics": _get("Prometheus metrics", "text/plain"),
+            "/openapi.json": _get("This document"),
+        },
+        "components": {
+            "schemas": {"Completion": COMPLETION, "ChatCompletion": CHAT, "Infill": INFILL,
+                        "Error": ERROR, "Usage": USAGE},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

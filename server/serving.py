@@ -1,0 +1,218 @@
+"""The generation flow shared by /v1/completions, /v1/chat/completions and /infill: tokenize,
+fit the context, submit n engine requests, then stream chunks or collect one response."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from server.async_engine import AsyncEngine, RequestFailedError, RequestStream
+from server.prompts import PromptBuilder
+from server.protocol import APIError, GenerationRequest
+from server.responses import DONE, Choice, Formatter, infill_body, sse
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-", "infill": "infill-"}
+
+
+class Serving:
+    """Holds what every generation request needs: the engine, the prompt builder and the
+    served model name."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.builder = PromptBuilder(engine.engine.tokenizer, max_model_len)
+        # One thread: tokenizing a long prompt must not stall the event loop, and the builder's
+        # tokenizer copy must not be used by two threads at once.
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                           f"'{self.model_name}'.", param="model", code="model_not_found")
+
+    async def handle(self, req: GenerationRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        loop = asyncio.get_running_loop()
+        ids, prompt_text = await loop.run_in_executor(self._tokenize, self.builder.build, req)
+        params = self.builder.fit(req, len(ids))
+        rid = _ID_PREFIX[req.kind] + uuid.uuid4().hex
+        streams = await self._submit(rid, ids, params, req.n)
+        fmt = Formatter(req.kind, self.model_name, self.builder, rid)
+        n_prompt = len(ids)
+        if req.stream:
+            if req.kind == "chat":
+                body = _stream_chat(fmt, req, streams, n_prompt)
+            elif req.kind == "infill":
+                body = _stream_infill(fmt, streams, n_prompt, params)
+            else:
+                body = _stream_completion(fmt, req, streams, n_prompt, prompt_text)
+            return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        choices = await _collect(streams, request)
+        if choices is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        if req.kind == "chat":
+            return JSONResponse(fmt.chat(choices, n_prompt, req.chat_logprobs))
+        if req.kind == "infill":
+            return JSONResponse(infill_body(self.model_name, choices[0], n_prompt, params))
+        prefix = prompt_text if req.echo else ""
+        return JSONResponse(fmt.completion(choices, n_prompt, prefix,
+                                           req.params.logprobs is not None))
+
+    async def _submit(self, rid: str, ids: list[int], params: Any, n: int) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i in range(n):
+                p = params
+                if n > 1:
+                    seed = None if params.seed is None else params.seed + i
+                    p = dataclasses.replace(params, seed=seed)
+                streams.append(await self.engine.submit(rid if n == 1 else f"{rid}-{i}", ids, p))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave the outputs of a request's n choices as they arrive."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()  # no-op once finished; frees the engine's blocks otherwise
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+            await queue.put((i, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(streams: list[RequestStream], request: Request) -> list[Choice] | None:
+    """Gather every choice to its end, or return None (aborting) if the client disconnects."""
+    choices = [Choice(i) for i in range(len(streams))]
+
+    async def run() -> None:
+        async for i, out in _merge(streams):
+            choices[i].add(out)
+
+    work = asyncio.create_task(run())
+    watch = asyncio.create_task(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, watch):
+            if not t.done():
+                t.cancel()
+    if work in done:
+        work.result()  # re-raise an engine failure
+        return choices
+    for s in streams:
+        s.abort()
+    return None
+
+
+def _error_event(exc: Exception) -> bytes:
+    return sse(APIError(500, str(exc), code="engine_error").body())
+
+
+async def _stream_completion(fmt: Formatter, req: GenerationRequest,
+                             streams: list[RequestStream], n_prompt: int,
+                             prompt_text: str) -> AsyncIterator[bytes]:
+    choices = [Choice(i) for i in range(len(streams))]
+    want_lp = req.params.logprobs is not None
+    inc = req.include_usage
+    offsets = [len(prompt_text) if req.echo else 0] * len(streams)
+    try:
+        if req.echo:
+            for c in choices:
+                yield fmt.completion_chunk(c.index, prompt_text, [] if want_lp else None, 0,
+                                           None, inc)
+        async for i, out in _merge(streams):
+            choices[i].add(out)
+            if out.delta_text or out.delta_token_ids or out.finished:
+                entries = list(out.logprobs or []) if want_lp else None
+                finish = out.finish_reason if out.finished else None
+                yield fmt.completion_chunk(i, out.delta_text, entries, offsets[i], finish, inc)
+                offsets[i] += len(out.delta_text)
+        if inc:
+            yield fmt.usage_chunk(n_prompt, choices)
+    except RequestFailedError as exc:
+        yield _error_event(exc)
+    yield DONE
+
+
+async def _stream_chat(fmt: Formatter, req: GenerationRequest, streams: list[RequestStream],
+                       n_prompt: int) -> AsyncIterator[bytes]:
+    choices = [Choice(i) for i in range(len(streams))]
+    want_lp = req.chat_logprobs
+    inc = req.include_usage
+    try:
+        for c in choices:
+            yield fmt.chat_chunk(c.index, {"role": "assistant", "content": ""}, None, None, inc)
+        async for i, out in _merge(streams):
+            choices[i].add(out)
+            if out.delta_text or (want_lp and out.logprobs):
+                entries = list(out.logprobs or []) if want_lp else None
+                yield fmt.chat_chunk(i, {"content": out.delta_text}, entries, None, inc)
+            if out.finished:
+                yield fmt.chat_chunk(i, {}, None, out.finish_reason, inc)
+        if inc:
+            yield fmt.usage_chunk(n_prompt, choices)
+    except RequestFailedError as exc:
+        yield _error_event(exc)
+    yield DONE
+
+
+async def _stream_infill(fmt: Formatter, streams: list[RequestStream], n_prompt: int,
+                         params: Any) -> AsyncIterator[bytes]:
+    """llama.cpp streams objects with `content` and a final one with `stop: true`; no [DONE]."""
+    choice = Choice(0)
+    try:
+        async for _, out in _merge(streams):
+            choice.add(out)
+            if out.delta_text:
+                yield sse(infill_body(fmt.model, choice, n_prompt, params, final=False,
+                                      content=out.delta_text))
+        yield sse(infill_body(fmt.model, choice, n_prompt, params, content=""))
+    except RequestFailedError as exc:
+        yield _error_event(exc)

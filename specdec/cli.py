@@ -1,0 +1,109 @@
+"""The `specdec` command: generate, pull, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="specdec generate",
+                                description="Complete a prompt, streaming tokens as they come")
+    p.add_argument("prompt")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--speculative", default=None,
+                   help="'none', 'ngram', 'draft_model' or a JSON dict such as "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 6}'")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--stats", action="store_true", help="print speculation metrics at the end")
+    a = p.parse_args(argv)
+
+    from specdec import LLM, SamplingParams
+
+    llm = LLM(model=a.model, dtype=a.dtype, device=a.device, speculative=_spec(a))
+    prompt: Any = a.prompt
+    if a.chat:
+        prompt = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": a.prompt}], add_generation_prompt=True, tokenize=False)
+    params = SamplingParams(
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty, frequency_penalty=a.frequency_penalty,
+        presence_penalty=a.presence_penalty, max_tokens=a.max_tokens, seed=a.seed,
+        stop=tuple(a.stop))
+    last = None
+    for out in llm.stream([prompt], params):
+        sys.stdout.write(out.delta_text)
+        sys.stdout.flush()
+        last = out
+    sys.stdout.write("\n")
+    if a.stats and last is not None:
+        spec = last.spec.to_dict() if last.spec else None
+        print(json.dumps({"finish_reason": last.finish_reason,
+                          "completion_tokens": len(last.token_ids), "speculative": spec}),
+              file=sys.stderr)
+    return 0
+
+
+def _spec(a: argparse.Namespace) -> dict[str, Any] | None:
+    if a.speculative is None and a.draft_model is None:
+        return None
+    spec: dict[str, Any]
+    if a.speculative and a.speculative.strip().startswith("{"):
+        spec = json.loads(a.speculative)
+    else:
+        spec = {"method": a.speculative or "draft_model"}
+    if a.draft_model:
+        spec["draft_model"] = a.draft_model
+    if a.num_speculative_tokens is not None:
+        spec["num_speculative_tokens"] = a.num_speculative_tokens
+    return spec
+
+
+def _pull(argv: list[str]) -> int:
+    from specdec.hub import PRESETS, pull
+
+    p = argparse.ArgumentParser(prog="specdec pull", description="Install a preset model")
+    p.add_argument("name", choices=sorted(PRESETS))
+    a = p.parse_args(argv)
+    print(pull(a.name, progress=True))
+    return 0
+
+
+def _serve(argv: list[str]) -> int:
+    from server.cli import serve_main
+
+    return serve_main(argv) or 0
+
+
+COMMANDS = {"generate": _generate, "pull": _pull, "serve": _serve}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        print("usage: specdec {generate,pull,serve} ...\n"
+              "  generate [--model M] PROMPT   complete a prompt (streams)\n"
+              "  pull NAME                     install a preset model\n"
+              "  serve [--model M] ...         OpenAI-compatible HTTP server", file=sys.stderr)
+        return 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""CUDA graphs of the target's forward pass for decode and verification steps.
+
+A step qualifies when its segments fit a bucket (B sequences, Q query rows each): every segment
+is padded to Q rows and the batch to B sequences, so one captured graph serves every step of
+that shape. Graph inputs live in static device buffers that are filled, once per step, by three
+non-blocking copies from pinned host buffers; the attention kernel reads the step's metadata
+from device memory, so with its grid and split count fixed per bucket a replay is exact.
+
+Padding, and why it is harmless:
+- a padded row has slot -1 (the KV write skips it), position 0 and token 0;
+- with Q > 1 every sequence uses an explicit [Q, Q] mask: a real row sees only real rows (its
+  tree ancestors, or earlier rows for a causal segment); a padded row sees only itself;
+- a padded sequence has context 0 and a block table of zeros: it computes garbage that no one
+  reads. KV entries past a sequence's rows are masked, and every cache entry is finite.
+
+Steps outside the buckets (long prefill chunks, more sequences than the largest bucket, steps
+that capture hidden layers) run eagerly: `execute` returns None for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from specdec.attention import AttentionMetadata
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+TOKENS_PER_SEQ = (1, 2, 4, 8, 16, 32, 64)
+MAX_GRAPH_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of one bucket's inputs in the flat staging buffers."""
+
+    batch: int  # B
+    q: int  # Q, query rows per sequence
+    width: int  # W, block-table columns
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.q
+
+    # int64 buffer: ids [T] | positions [T] | slots [T] | mask offsets [B] | logits rows [T]
+    @property
+    def n64(self) -> int:
+        return 4 * self.tokens + self.batch
+
+    # int32 buffer: query_start [B + 1] | context lens [B] | seq lens [B] | tables [B * W]
+    @property
+    def n32(self) -> int:
+        return 3 * self.batch + 1 + self.batch * self.width
+
+    @property
+    def nmask(self) -> int:
+        return self.batch * self.q * self.q if self.q > 1 else 0
+
+    @property
+    def rows_at(self) -> int:
+        return 3 * self.tokens + self.batch
+
+
+def pick_bucket(segments: list[Any], width: int, block_size: int,
+                batch_sizes: tuple[int, ...] = BATCH_SIZES,
+                tokens_per_seq: tuple[int, ...] = TOKENS_PER_SEQ,
+                max_tokens: int = MAX_GRAPH_TOKENS) -> tuple[int, int] | None:
+    """(B, Q) of the smallest bucket holding the step, or None if none does."""
+    if not segments:
+        return None
+    b = next((x for x in batch_sizes if x >= len(segments)), None)
+    qmax = max(len(s.tokens) for s in segments)
+    q = next((x for x in tokens_per_seq if x >= qmax), None)
+    if b is None or q is None or b * q > max_tokens:
+        return None
+    for s in segments:
+        if len(s.block_table) > width or s.context_len + q > width * block_size:
+            return None
+    return b, q
+
+
+def pack_step(
+    segments: list[Any],
+    lay: Layout,
+    h64: np.ndarray,  # [>= lay.n64] int64
+    h32: np.ndarray,  # [>= lay.n32] int32
+    hmask: np.ndarray,  # [>= lay.nmask] bool
+) -> tuple[int, list[int]]:
+    """Write a step's padded inputs in `lay`'s layout; return (logits rows, row offsets)."""
+    t, b, q, w = lay.tokens, lay.batch, lay.q, lay.width
+    ids, pos, slots = h64[0:t], h64[t:2 * t], h64[2 * t:3 * t]
+    ids[:] = 0
+    pos[:] = 0
+    slots[:] = -1
+    h64[3 * t:3 * t + b] = np.arange(b) * q * q if q > 1 else -1
+    rows = h64[lay.rows_at:lay.rows_at + t]
+    qstart, ctx = h32[0:b + 1], h32[b + 1:2 * b + 1]
+    seqlens, tables = h32[2 * b + 1:3 * b + 1], h32[3 * b + 1:lay.n32].reshape(b, w)
+    qstart[:] = np.arange(b + 1) * q
+    ctx[:] = 0
+    tables[:] = 0
+    mask = hmask[:lay.nmask].reshape(b, q, q) if q > 1 else None
+    if mask is not None:
+        mask[:] = np.eye(q, dtype=bool)
+    n_rows = 0
+    offsets: list[int] = []
+    for i, s in enumerate(segments):
+        n, r0 = len(s.tokens), i * q
+        ids[r0:r0 + n] = s.tokens
+        pos[r0:r0 + n] = s.positions
+        slots[r0:r0 + n] = s.slots
+        ctx[i] = s.context_len
+        tables[i, :len(s.block_table)] = s.block_table
+        if mask is not None:
+            mask[i, :n, :n] = (s.mask.numpy() if s.mask is not None
+                               else np.tri(n, dtype=bool))
+        offsets.append(n_rows)
+        for r in s.logits_rows:
+            rows[n_rows] = r0 + r
+            n_rows += 1
+    seqlens[:] = ctx + q
+    return n_rows, offsets
+
+
+def padded_metadata(lay: Layout, d64: torch.Tensor, d32: torch.Tensor, dmask: torch.Tensor,
+                    block_size: int, context_lens_host: tuple[int, ...] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids, positions, metadata) as views of the staging buffers in `lay`'s layout.
+
+    Host-side fields describe the bucket, not the step (the Triton kernel reads the step from
+    device memory); pass the step's `context_lens_host` for backends that read them."""
+    t, b, q, w = lay.tokens, lay.batch, lay.q, lay.width
+    offs = tuple(i * q * q for i in range(b)) if q > 1 else (-1,) * b
+    meta = AttentionMetadata(
+        query_start=d32[0:b + 1], context_lens=d32[b + 1:2 * b + 1],
+        seq_lens=d32[2 * b + 1:3 * b + 1], block_tables=d32[3 * b + 1:lay.n32].view(b, w),
+        slot_mapping=d64[2 * t:3 * t], custom_mask=dmask[:lay.nmask] if q > 1 else None,
+        mask_offsets=d64[3 * t:3 * t + b], q_lens_host=(q,) * b,
+        context_lens_host=context_lens_host or (0,) * b, mask_offsets_host=offs,
+        block_size=block_size)
+    return d64[0:t], d64[t:2 * t], meta
+
+
+class _FixedSplits:
+    """The Triton backend with the split-KV count fixed, so a captured launch stays valid."""
+
+    name = "triton-graph"
+
+    def __init__(self, inner: Any, splits: int) -> None:
+        self.inner, self.splits = inner, splits
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        self.inner.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        from verify_kernels.paged_attention import paged_attention
+
+        return paged_attention(q, k_cache, v_cache, meta, scale, num_splits=self.splits)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+class GraphRunner:
+    """Captures (lazily, on a bucket's first step) and replays the model's forward pass."""
+
+    def __init__(self, model: Any, kv: torch.Tensor, backend: Any, block_size: int,
+                 width: int, device: torch.device) -> None:
+        self.model, self.kv, self.backend = model, kv, backend
+        self.block_size, self.width, self.device = block_size, width, device
+        attn = model.model.layers[0].self_attn
+        self.hq, self.hkv = attn.num_heads, attn.num_kv_heads
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        mb, mt, mq = max(BATCH_SIZES), MAX_GRAPH_TOKENS, max(TOKENS_PER_SEQ)
+        n64, n32, nm = 4 * mt + mb, 3 * mb + 1 + mb * width, mt * mq
+        self.h64 = torch.zeros(n64, dtype=torch.int64, pin_memory=True)
+        self.h32 = torch.zeros(n32, dtype=torch.int32, pin_memory=True)
+        self.hmask = torch.zeros(nm, dtype=torch.bool, pin_memory=True)
+        self.d64 = torch.zeros(n64, dtype=torch.int64, device=device)
+        self.d32 = torch.zeros(n32, dtype=torch.int32, device=device)
+        self.dmask = torch.zeros(nm, dtype=torch.bool, device=device)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
+        self.eager_steps = 0
+
+    def num_splits(self, b: int, q: int) -> int:
+        """Split-KV partitions for a bucket, sized for the longest context it may see."""
+        gp = _pow2(self.hq // self.hkv)
+        block_q = max(16, gp, min(64, _pow2(q * gp))) // gp
+        programs = b * self.hkv
+        if q > block_q or programs >= self.sms:
+            return 1
+        longest = self.width * self.block_size
+        return max(1, min(-(-2 * self.sms // programs), longest // 512, 32))
+
+    def execute(self, segments: list[Any]):
+        """The step's StepOutput through a graph, or None when the step must run eagerly."""
+        from specdec.model_runner import StepOutput
+
+        key = pick_bucket(segments, self.width, self.block_size)
+        if key is None:
+            self.eager_steps += 1
+            return None
+        lay = Layout(key[0], key[1], self.width)
+        self._copied.synchronize()  # the previous step's copies have read the pinned buffers
+        n_rows, offsets = pack_step(segments, lay, self.h64.numpy(), self.h32.numpy(),
+                                    self.hmask.numpy())
+        self.d64[:lay.n64].copy_(self.h64[:lay.n64], non_blocking=True)
+        self.d32[:lay.n32].copy_(self.h32[:lay.n32], non_blocking=True)
+        if lay.nmask:
+            self.dmask[:lay.nmask].copy_(self.hmask[:lay.nmask], non_blocking=True)
+        self._copied.record()
+        if key not in self.graphs:
+            self._capture(lay)
+        graph, hidden = self.graphs[key]
+        graph.replay()
+        self.replays += 1
+        idx = self.d64[lay.rows_at:lay.rows_at + n_rows]
+        h = hidden.index_select(0, idx)  # [rows, hidden], outside the graph's memory
+        return StepOutput(self.model.compute_logits(h), h, offsets)
+
+    def _forward(self, lay: Layout) -> torch.Tensor:  # [T, hidden]
+        ids, pos, meta = padded_metadata(lay, self.d64, self.d32, self.dmask, self.block_size)
+        backend = _FixedSplits(self.backend, self.num_splits(lay.batch, lay.q))
+        hidden, _ = self.model(ids, pos, meta, self.kv, backend)
+        return hidden
+
+    def _capture(self, lay: Layout) -> None:
+        # The staged inputs are the current step's, so the warm-up (which compiles the kernels)
+        # writes the same KV the replay writes again: the step stays exact.
+        self._forward(lay)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self._forward(lay)
+        self.graphs[(lay.batch, lay.q)] = (graph, hidden)

@@ -1,0 +1,111 @@
+"""The graph runner's padded inputs compute the same logits as the eager step (on the CPU,
+through the reference backend); capture and replay themselves run on CUDA only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from drafters.tree import DraftTree
+from specdec.attention import TorchAttentionBackend, write_kv_ref
+from specdec.cuda_graphs import Layout, pack_step, padded_metadata, pick_bucket
+from specdec.engine import LLMEngine
+from specdec.model_runner import Segment
+from specdec.sampling_params import SamplingParams
+from specdec.sequence import Sequence
+
+
+class _SkipPadding(TorchAttentionBackend):
+    """The reference backend, skipping slot -1 as the Triton KV write does."""
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        keep = slot_mapping >= 0
+        write_kv_ref(k[keep], v[keep], k_cache, v_cache, slot_mapping[keep])
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama) -> LLMEngine:
+    return LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"})
+
+
+def _prefilled(engine: LLMEngine, rid: str, ids: list[int], extra: int) -> Sequence:
+    seq = Sequence(rid, ids, SamplingParams())
+    assert engine.blocks.reserve(seq, len(ids))
+    n = len(ids) - 1  # the last prompt token becomes the root of the step under test
+    seg = Segment(ids[:n], list(range(n)), [engine.blocks.slot(seq, j) for j in range(n)], 0,
+                  list(seq.block_table))
+    engine.runner.execute([seg])
+    engine.blocks.commit(seq, n)
+    assert engine.blocks.reserve(seq, 1 + extra)
+    return seq
+
+
+def _step_segment(engine: LLMEngine, seq: Sequence, toks: list[int], pars: list[int]) -> Segment:
+    c = seq.num_computed
+    tree = DraftTree.from_lists([(toks, pars)])
+    depths = tree.depths.tolist()
+    mask = tree.ancestor_mask(0) if toks and any(p != i - 1 for i, p in enumerate(pars)) else None
+    return Segment([seq.tokens[-1]] + toks, [c] + [c + d for d in depths],
+                   [engine.blocks.slot(seq, c + j) for j in range(1 + len(toks))], c,
+                   list(seq.block_table), mask=mask, logits_rows=tuple(range(1 + len(toks))))
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 3])
+def test_padded_step_matches_eager(engine, num_seqs):
+    prompts = [[3, 9, 4, 17, 22, 5, 8, 30, 31, 2], [7, 1, 12, 40, 33, 18, 6],
+               [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 1, 2, 3, 4, 5]]
+    trees = [([11, 12, 13], [-1, -1, 0]), ([20, 21], [-1, 0]), ([], [])]
+    seqs = [_prefilled(engine, f"s{num_seqs}-{i}", prompts[i], len(trees[i][0]))
+            for i in range(num_seqs)]
+    segs = [_step_segment(engine, s, *trees[i]) for i, s in enumerate(seqs)]
+    eager = engine.runner.execute(segs)
+
+    width = 8
+    b, q = pick_bucket(segs, width, engine.runner.block_size)
+    assert b >= num_seqs and q >= max(len(s.tokens) for s in segs)
+    lay = Layout(b, q, width)
+    h64 = np.zeros(lay.n64, dtype=np.int64)
+    h32 = np.zeros(lay.n32, dtype=np.int32)
+    hmask = np.zeros(max(lay.nmask, 1), dtype=bool)
+    n_rows, offsets = pack_step(segs, lay, h64, h32, hmask)
+    assert offsets == eager.row_offsets and n_rows == eager.logits.shape[0]
+    ctx_host = tuple(int(x) for x in h32[b + 1:2 * b + 1])
+    ids, pos, meta = padded_metadata(lay, torch.from_numpy(h64), torch.from_numpy(h32),
+                                     torch.from_numpy(hmask), engine.runner.block_size, ctx_host)
+    with torch.inference_mode():
+        hidden, _ = engine.runner.model(ids, pos, meta, engine.runner.kv, _SkipPadding())
+        rows = torch.from_numpy(h64[lay.rows_at:lay.rows_at + n_rows])
+        logits = engine.runner.model.compute_logits(hidden.index_select(0, rows))
+    torch.testing.assert_close(logits, eager.logits, rtol=1e-4, atol=1e-4)
+    for s in seqs:
+        engine.blocks.free_seq(s)
+
+
+def test_pick_bucket_limits():
+    seg = Segment([1] * 3, [0, 1, 2], [0, 1, 2], 0, [0])
+    assert pick_bucket([seg], 4, 16) == (1, 4)
+    assert pick_bucket([seg] * 5, 4, 16) == (8, 4)
+    long = Segment([1] * 100, list(range(100)), list(range(100)), 0, [0] * 7)
+    assert pick_bucket([long], 8, 16) is None  # a prefill chunk runs eagerly
+    assert pick_bucket([seg] * 65, 8, 16) is None
+    deep = Segment([1], [62], [62], 62, [0] * 4)
+    assert pick_bucket([deep], 4, 16) is not None
+    assert pick_bucket([deep], 3, 16) is None  # its block table does not fit the width
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_replay_matches_eager_on_cuda(tiny_llama):
+    eng = LLMEngine.from_args(str(tiny_llama), device="cuda", speculative={"method": "none"},
+                              num_blocks=64)
+    assert eng.runner.graphs is not None
+    seq = _prefilled(eng, "g", [3, 9, 4, 17, 22, 5, 8, 30], 2)
+    seg = _step_segment(eng, seq, [11, 12], [-1, -1])
+    graphs, eng.runner.graphs = eng.runner.graphs, None
+    eager = eng.runner.execute([seg]).logits
+    eng.runner.graphs = graphs
+    before = graphs.replays  # the prefill above may have gone through a graph too
+    for _ in range(2):  # capture, then a replay
+        out = eng.runner.execute([seg]).logits
+        torch.testing.assert_close(out, eager, rtol=2e-3, atol=2e-3)
+    assert graphs.replays == before + 2

@@ -1,0 +1,86 @@
+"""The replay drafter: greedy output is the plain output, and tau follows the corrupt rate."""
+
+from __future__ import annotations
+
+import pytest
+
+from drafters import replay
+from drafters.base import DraftRequest
+from specdec.engine import LLMEngine
+from specdec.sampling_params import SamplingParams
+
+PROMPTS = [[5, 9, 3, 17, 22, 8], [40, 2, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+def _generate(engine: LLMEngine, spec: dict | None, tag: str) -> tuple[list[list[int]], dict]:
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, speculative=spec)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"{tag}-{i}", p, params)
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    outs = [final[f"{tag}-{i}"] for i in range(len(PROMPTS))]
+    return [o.token_ids for o in outs], [o.spec for o in outs]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama) -> LLMEngine:
+    return LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"}, seed=0)
+
+
+@pytest.fixture(scope="module")
+def plain(engine) -> list[list[int]]:
+    outs, _ = _generate(engine, {"method": "none"}, "plain")
+    replay.clear_recorded()
+    for p, o in zip(PROMPTS, outs):
+        replay.record(p, o)
+    return outs
+
+
+def _tau(specs) -> float:
+    return sum(s.emitted_tokens for s in specs) / max(1, sum(s.steps for s in specs))
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+@pytest.mark.parametrize("rate", [0.0, 0.3, 1.0])
+def test_greedy_output_equals_plain(engine, plain, rate, branches):
+    spec = {"method": "replay", "num_speculative_tokens": 4, "corrupt_rate": rate,
+            "branches": branches}
+    outs, specs = _generate(engine, spec, f"r{rate}-b{branches}")
+    assert outs == plain
+    assert all(s is not None for s in specs)
+
+
+def test_tau_rises_as_corrupt_rate_falls(engine, plain):
+    taus = []
+    for rate in (1.0, 0.5, 0.2, 0.0):
+        spec = {"method": "replay", "num_speculative_tokens": 4, "corrupt_rate": rate}
+        _, specs = _generate(engine, spec, f"tau{rate}")
+        taus.append(_tau(specs))
+    assert taus == sorted(taus)
+    assert taus[0] == pytest.approx(1.0)
+    assert taus[-1] > 4.0  # k = 4, all accepted except where a request ends mid-chain
+
+
+def test_expected_tau_and_rate_for_tau():
+    assert replay.expected_tau(0.0, 4) == 5.0
+    assert replay.expected_tau(1.0, 4) == 1.0
+    for tau in (2.0, 3.0, 4.0, 5.0):
+        r = replay.rate_for_tau(tau, 8)
+        assert replay.expected_tau(r, 8) == pytest.approx(tau, abs=1e-9)
+
+
+def test_tree_shape_and_script_option():
+    d = replay.ReplayDrafter(target_vocab={f"t{i}": i for i in range(50)})
+    req = DraftRequest("a", [1, 2, 3], max_nodes=7, k=3,
+                       options={"script": {"a": [1, 2, 3, 9, 8, 7, 6]}, "branches": 3,
+                                "corrupt_rate": 0.5})
+    tree = d.propose([req])
+    toks, pars = tree.seq(0)
+    assert len(toks) == 7  # 3 levels of 3, cut at max_nodes
+    assert pars[:3] == [-1, -1, -1] and pars[3:6] == [0, 0, 0] and pars[6] == 3
+    clean = replay.ReplayDrafter(target_vocab={f"t{i}": i for i in range(50)})
+    req.options = {"script": {"a": [1, 2, 3, 9, 8, 7, 6]}}
+    assert clean.propose([req]).seq(0)[0] == [9, 8, 7]
