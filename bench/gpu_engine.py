@@ -296,6 +296,11 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
             for p, o in zip(prompts, recorded):
                 replay.record(p, o)
             row[f"{shape}_tau1_tokens_per_s"] = rec_rate
+            if batch > 1:
+                # Untimed: captures the graphs of the smaller batches that appear as requests
+                # finish at different steps, so no capture falls inside a timed run.
+                run_requests(engine, prompts, {**base, "corrupt_rate": replay.rate_for_tau(
+                    taus[0], k)}, max_tokens, f"warm{batch}{shape}")
             for tau in taus:
                 rate = replay.rate_for_tau(tau, k)
                 _, r, tau_m = run_requests(engine, prompts, {**base, "corrupt_rate": rate},

@@ -9,6 +9,8 @@ export PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
+  SPECDEC_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q --noconftest -p no:cacheprovider \
+    tests/test_kernels.py tests/test_fused_ops.py 2>&1 | tail -5
   timeout 90 python3 -m pytest -q -x tests/test_cuda_graphs.py 2>&1 | tail -5
   timeout "${BENCH_TIMEOUT:-330}" python3 bench/gpu_engine.py --out "$out" --budget-s "${BENCH_BUDGET:-300}"
 } 2>&1 | tee "$out/gpu_engine.log"

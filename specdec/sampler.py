@@ -55,6 +55,8 @@ def process_logits(
     if contexts is not None and any(p.has_penalties for p in params):
         apply_penalties(logits, params, contexts)
     dev = logits.device
+    if all(p.greedy for p in params):  # the common case needs no softmax or sort
+        return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     greedy = torch.tensor([p.greedy for p in params], device=dev)
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                          device=dev, dtype=torch.float32)

@@ -55,12 +55,19 @@ def apply_verified(
             node_u.append(u[:-1])
             bonus_u.append(float(u[-1]))
     greedy = torch.tensor([s.params.greedy for s, _ in samplers], device=dev)
-    res = verify_tree(probs, torch.tensor(local_offsets, dtype=torch.long, device=dev), tree,
-                      greedy, torch.cat(node_u).to(dev), torch.tensor(bonus_u, device=dev))
+    verify = verify_tree
+    if dev.type == "cuda":
+        from verify_kernels.acceptance import accept_tree as verify  # one launch for the batch
+    res = verify(probs, torch.tensor(local_offsets, dtype=torch.long, device=dev), tree,
+                 greedy, torch.cat(node_u).to(dev), torch.tensor(bonus_u, device=dev))
     # The step's one host synchronisation: results come back together.
-    tokens_h = res.tokens.tolist()
-    num_h = res.num_tokens.tolist()
-    acc_h = res.accepted_nodes.tolist()
+    bsz, width = res.tokens.shape
+    packed = torch.cat([res.tokens.flatten(), res.num_tokens,
+                        res.accepted_nodes.flatten()]).tolist()
+    tokens_h = [packed[b * width:(b + 1) * width] for b in range(bsz)]
+    num_h = packed[bsz * width:bsz * width + bsz]
+    acc = packed[bsz * width + bsz:]
+    acc_h = [acc[b * (width - 1):(b + 1) * (width - 1)] for b in range(bsz)]
     want_lp = [s.params.logprobs is not None for s, _ in samplers]
     lp_rows: list[int] = []
     lp_tokens: list[int] = []

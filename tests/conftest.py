@@ -4,10 +4,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_model  # noqa: E402
+
+# The tests run tiny models: one thread avoids thread hand-off costs that dominate small ops
+# (and that balloon when two test processes share the two cores of a CI machine).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

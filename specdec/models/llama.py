@@ -64,7 +64,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
         kv: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         backend: Any,
@@ -77,9 +78,15 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        if cos_sin is None:  # fused path: rotate q and k in place inside the qkv buffer
+            from verify_kernels.fused_ops import rope_
+
+            rope_(q, positions, self.rotary.inv_freq, self.rotary.attention_scaling)
+            rope_(k, positions, self.rotary.inv_freq, self.rotary.attention_scaling)
+        else:
+            cos, sin = cos_sin
+            q = RotaryEmbedding.apply(q, cos, sin)
+            k = RotaryEmbedding.apply(k, cos, sin)
         backend.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         o = backend.attend(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
@@ -97,7 +104,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.inter = inter
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            from verify_kernels.fused_ops import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -111,9 +122,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(int(hf["hidden_size"]), eps)
         self.mlp = MLP(hf)
 
-    def forward(self, x, residual, cos_sin, meta, kv, backend):
+    def forward(self, x, residual, cos_sin, positions, meta, kv, backend, fused=False):
+        if fused:
+            from verify_kernels.fused_ops import add_rmsnorm
+
+            ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+            normed, residual = add_rmsnorm(x, residual, ln1.weight, ln1.eps)
+            h = self.self_attn(normed, None, positions, meta, kv, backend)
+            normed, residual = add_rmsnorm(h, residual, ln2.weight, ln2.eps)
+            return self.mlp(normed, fused=True), residual
         residual = x if residual is None else x + residual
-        h = self.self_attn(self.input_layernorm(residual), cos_sin, meta, kv, backend)
+        h = self.self_attn(self.input_layernorm(residual), cos_sin, positions, meta, kv, backend)
         residual = h + residual
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
@@ -138,6 +157,8 @@ class LlamaForCausalLM(nn.Module):
         self.hf = hf
         self.model = LlamaModel(hf, flags)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        # Fused Triton norms, rotary and activation; switched on for CUDA by the loader.
+        self.fused = False
         self.lm_head = nn.Linear(int(hf["hidden_size"]), int(hf["vocab_size"]), bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -155,13 +176,18 @@ class LlamaForCausalLM(nn.Module):
         index in `capture_layers` (what EAGLE-style drafters consume)."""
         m = self.model
         x = m.embed_tokens(input_ids)
-        cos_sin = m.rotary.cos_sin(positions, x.dtype)
+        cos_sin = None if self.fused else m.rotary.cos_sin(positions, x.dtype)
         residual = None
         captured: list[torch.Tensor] = []
         for i, layer in enumerate(m.layers):
-            x, residual = layer(x, residual, cos_sin, meta, kv_cache[i], backend)
+            x, residual = layer(x, residual, cos_sin, positions, meta, kv_cache[i], backend,
+                                self.fused)
             if i in capture_layers:
                 captured.append(x + residual)
+        if self.fused:
+            from verify_kernels.fused_ops import add_rmsnorm
+
+            return add_rmsnorm(x, residual, m.norm.weight, m.norm.eps)[0], captured
         return m.norm(x + residual), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, V]

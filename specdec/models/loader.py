@@ -49,7 +49,21 @@ def build_model(hf: dict[str, Any], path: str | None, dtype: torch.dtype,
         load_weights(model, Path(path))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    model.fused = _can_fuse(model, device)
     return model.eval()
+
+
+def _can_fuse(model: LlamaForCausalLM, device: torch.device) -> bool:
+    """The fused GPU kernels need CUDA, Triton, full rotary and a power-of-two half head."""
+    if device.type != "cuda":
+        return False
+    try:
+        import verify_kernels.fused_ops  # noqa: F401
+    except ImportError:
+        return False
+    attn = model.model.layers[0].self_attn
+    half = attn.head_dim // 2
+    return model.model.rotary.rot_dim == attn.head_dim and half & (half - 1) == 0
 
 
 @torch.no_grad()

