@@ -19,12 +19,21 @@ class IncrementalDetokenizer:
         self.stops = stops
         self.ids: list[int] = []
         self.text = ""  # text sent so far
+        self.full = ""  # stable text decoded so far (may run ahead of `text`)
         self.stop_at: int | None = None  # character offset where a stop string begins
+        # The Rust tokenizer directly: the Python wrapper's per-call overhead dominates
+        # when every running sequence decodes every step.
+        self._fast = getattr(tokenizer, "_tokenizer", None)
         # Decode with a little prompt context so leading spaces come out right.
         self.prefix_ids = prompt_ids[-4:]
         self._prefix_text = self._decode(self.prefix_ids)
+        # Window offsets into prefix_ids + ids: only the tail since `read` is decoded anew.
+        self._window = 0
+        self._read = len(self.prefix_ids)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=self.skip)
         return self.tok.decode(ids, skip_special_tokens=self.skip,
                                clean_up_tokenization_spaces=False)
 
@@ -44,9 +53,22 @@ class IncrementalDetokenizer:
             return self.stop_at
         return None
 
+    def _advance(self) -> None:
+        """Extend `full` by the stable text of tokens since the read offset."""
+        all_ids = self.prefix_ids + self.ids
+        before = self._decode(all_ids[self._window:self._read])
+        after = self._decode(all_ids[self._window:])
+        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(
+                before):
+            self.full += after[len(before):]
+            self._window, self._read = self._read, len(all_ids)
+
     def add(self, new_ids: list[int], final: bool = False) -> str:
         self.ids.extend(new_ids)
-        full = self.decode_output(self.ids)
+        self._advance()
+        full = self.full
+        if final:
+            full = self.decode_output(self.ids)
         if self.stop_at is not None:
             full = full[:self.stop_at]
         elif not final:

@@ -212,12 +212,15 @@ class LLMEngine:
                                 logits_rows=(n - 1,) if p.completes else ()))
         for d, (toks, pars, probs) in zip(plan.decodes, trees):
             s, c = d.seq, d.seq.num_computed
-            tree = DraftTree.from_lists([(toks, pars)])
-            depths = tree.depths.tolist()
-            segs.append(Segment([s.tokens[-1]] + toks, [c] + [c + x for x in depths],
+            if toks:
+                tree = DraftTree.from_lists([(toks, pars)])
+                positions = [c] + [c + x for x in tree.depths.tolist()]
+                mask = tree.ancestor_mask(0)
+            else:
+                positions, mask = [c], None
+            segs.append(Segment([s.tokens[-1]] + toks, positions,
                                 [bm.slot(s, c + j) for j in range(1 + len(toks))], c,
-                                list(s.block_table),
-                                mask=tree.ancestor_mask(0) if toks else None,
+                                s.block_table, mask=mask,
                                 logits_rows=tuple(range(1 + len(toks)))))
         out = self.runner.execute(segs)
 

@@ -93,10 +93,8 @@ class ModelRunner:
                 moff += s.mask.numel()
         dev = self.device
         width = max((len(s.block_table) for s in segments), default=1) or 1
-        tables = torch.zeros(len(segments), width, dtype=torch.int32)
-        for i, s in enumerate(segments):
-            if s.block_table:
-                tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table))
+                               for s in segments], dtype=torch.int32)
         q_lens = tuple(len(s.tokens) for s in segments)
         ctx = tuple(s.context_len for s in segments)
         meta = AttentionMetadata(

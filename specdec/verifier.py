@@ -68,6 +68,11 @@ def verify_tree(
 ) -> VerifyResult:
     dev = probs.device
     bsz, depth = tree.num_seqs, tree.max_depth()
+    if depth == 0:  # no drafts anywhere: each sequence just samples from its root row
+        r = _normalise(probs[row_offsets])
+        bonus = torch.where(greedy, r.argmax(dim=-1), sample_inverse_cdf(r, bonus_uniforms))
+        empty = torch.empty(bsz, 0, dtype=torch.long, device=dev)
+        return VerifyResult(bonus[:, None], torch.ones(bsz, dtype=torch.long, device=dev), empty)
     offsets = torch.tensor(tree.offsets[:-1], dtype=torch.long, device=dev)  # [B]
     kids = child_table(tree).to(dev)  # [B, n_max + 1, C]
     tokens_all = tree.tokens.to(dev)
