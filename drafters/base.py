@@ -43,6 +43,16 @@ class Drafter(ABC):
         """The request now has `num_tokens` tokens, ending with `tokens` (accepted path plus
         the bonus token), so stateful drafters can roll back what the target rejected."""
 
+    # Drafters with needs_hidden_states: the target layers whose residual streams they consume
+    # (the final normed hidden state always comes too).
+    capture_layers: tuple[int, ...] = ()
+
+    def observe(self, request_id: str, start: int, tokens: list[int],
+                features: torch.Tensor) -> None:
+        """Target features of committed positions start .. start + len(tokens) - 1, whose input
+        tokens were `tokens` ([n, (len(capture_layers) + 1) * hidden]). Called after every
+        prefill chunk and, for decodes, for the root and the accepted nodes."""
+
     def release(self, request_id: str) -> None:
         """The request finished or was preempted: drop any state held for it."""
 

@@ -137,7 +137,8 @@ class LLMEngine:
         if key not in self._drafters:
             self._drafters[key] = create_drafter(
                 method, draft_model=draft_model, target=self.config.model,
-                cache=self.config.cache, target_vocab=self.tokenizer.get_vocab())
+                cache=self.config.cache, target_vocab=self.tokenizer.get_vocab(),
+                target_model=self.runner.model, options=self.default_spec.options)
         return self._drafters[key]
 
     def abort_request(self, request_id: str) -> None:
@@ -222,7 +223,10 @@ class LLMEngine:
                                 [bm.slot(s, c + j) for j in range(1 + len(toks))], c,
                                 s.block_table, mask=mask,
                                 logits_rows=tuple(range(1 + len(toks)))))
-        out = self.runner.execute(segs)
+        capture = self._capture_layers(plan)
+        out = self.runner.execute(segs, capture)
+        if capture is not None:
+            self._observe_prefills(plan, out)
 
         # Every sampling sequence goes through verification: a completed prefill or a plain
         # decode is a root with an empty tree.
@@ -256,6 +260,38 @@ class LLMEngine:
         results = apply_verified(self, out, samplers, tree_lists, tree_probs, rows_params,
                                  rows_ctx, row_offsets, plan)
         return results
+
+    def _capture_layers(self, plan: StepPlan) -> tuple[int, ...] | None:
+        """Union of target layers that this step's drafters need features from; None when
+        no drafter in the step consumes target features."""
+        layers: set[int] | None = None
+        for seq in [p.seq for p in plan.prefills] + [d.seq for d in plan.decodes]:
+            if self.wants_features(seq):
+                layers = (layers or set()) | set(self._drafter_of(seq).capture_layers)
+        return None if layers is None else tuple(sorted(layers))
+
+    def wants_features(self, seq: Sequence) -> bool:
+        return seq.spec_method != "none" and self._drafter_of(seq).needs_hidden_states
+
+    def features_for(self, out, capture: tuple[int, ...], seq: Sequence, rows: torch.Tensor
+                     ) -> torch.Tensor:
+        """The features a drafter asked for, in its capture_layers order, at the given rows."""
+        d = self._drafter_of(seq)
+        hid = out.features.shape[1] // (len(capture) + 1)
+        cols = [capture.index(layer) for layer in d.capture_layers] + [len(capture)]
+        blocks = [out.features[rows, c * hid:(c + 1) * hid] for c in cols]
+        return torch.cat(blocks, dim=-1)
+
+    def _observe_prefills(self, plan: StepPlan, out) -> None:
+        capture = self._capture_layers(plan)
+        for i, p in enumerate(plan.prefills):
+            if self.wants_features(p.seq):
+                c = p.seq.num_computed
+                rows = torch.arange(out.query_offsets[i], out.query_offsets[i] + p.num_tokens,
+                                    device=out.features.device)
+                self._drafter_of(p.seq).observe(p.seq.request_id, c,
+                                                p.seq.tokens[c:c + p.num_tokens],
+                                                self.features_for(out, capture, p.seq, rows))
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
         seq.finish_reason = reason

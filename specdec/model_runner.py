@@ -34,6 +34,10 @@ class StepOutput:
     logits: torch.Tensor  # [sum of logits rows, V] float32
     hidden: torch.Tensor  # [same rows, hidden]
     row_offsets: list[int]  # per segment, where its logits rows start
+    # With capture_layers: features of EVERY query row, the captured layers' residual streams
+    # then the final normed hidden state, concatenated: [T, (len(capture_layers) + 1) * hidden].
+    features: torch.Tensor | None = None
+    query_offsets: list[int] | None = None  # per segment, where its query rows start
 
 
 def kv_bytes_per_block(mc: ModelConfig, block_size: int) -> int:
@@ -114,14 +118,16 @@ class ModelRunner:
         return input_ids, positions, meta
 
     @torch.inference_mode()
-    def execute(self, segments: list[Segment], capture_layers: tuple[int, ...] = ()
+    def execute(self, segments: list[Segment], capture_layers: tuple[int, ...] | None = None
                 ) -> StepOutput:
-        if self.graphs is not None and not capture_layers:  # CUDA graphs (see __init__)
+        if self.graphs is not None and capture_layers is None:  # CUDA graphs (see __init__)
             out = self.graphs.execute(segments)
             if out is not None:
                 return out
         input_ids, positions, meta = self.build_inputs(segments)
-        hidden, _ = self.model(input_ids, positions, meta, self.kv, self.backend, capture_layers)
+        hidden, captured = self.model(input_ids, positions, meta, self.kv, self.backend,
+                                      capture_layers or ())
+        features = None if capture_layers is None else torch.cat(captured + [hidden], dim=-1)
         rows: list[int] = []
         offsets: list[int] = []
         start = 0
@@ -131,7 +137,10 @@ class ModelRunner:
             start += len(s.tokens)
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         h = hidden.index_select(0, idx)
-        return StepOutput(self.model.compute_logits(h), h, offsets)
+        qoff = [0]
+        for s in segments[:-1]:
+            qoff.append(qoff[-1] + len(s.tokens))
+        return StepOutput(self.model.compute_logits(h), h, offsets, features, qoff)
 
     @torch.inference_mode()
     def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:

@@ -97,6 +97,12 @@ def apply_verified(
         new = tokens_h[b][:n]
         accepted = acc_h[b][:n - 1]
         is_decode = b >= num_prefills
+        if is_decode and out.features is not None and engine.wants_features(seq):
+            q0 = out.query_offsets[len(plan.prefills) + b - num_prefills]
+            rows = torch.tensor([q0] + [q0 + 1 + a for a in accepted], device=dev)
+            engine._drafter_of(seq).observe(
+                seq.request_id, ctx, [seq.tokens[-1]] + new[:len(accepted)],
+                engine.features_for(out, engine._capture_layers(plan), seq, rows))
         if is_decode:
             # KV of the accepted path moves to consecutive positions after the root.
             for j, a in enumerate(accepted):
