@@ -5,12 +5,13 @@ with n-gram lookup, greedy and at temperature 0.7, against transformers' assiste
     python bench/cpu_spec.py --humaneval 4 --sharegpt 3 --max-tokens 64 \\
         --temperatures 0,0.7 --ours-draft 4:1,7:1 --ours-ngram 4:2 --hf-k 4 --threads 2
 
-Each configuration runs every prompt once, one request at a time, after a warm-up; tokens/s is
-all new tokens over all request times (prefill included, the same on both sides). Speedup is
-against the same engine's plain decoding in this run. tau = new tokens per target forward pass
-(transformers: counted with a forward hook). The two engines run in turn, not together, so
-that only one copy of the models is in memory. Also measured: the cost of our target pass over
-q rows relative to one row (the verification cost ratio). Writes
+N-gram and prompt lookup run greedy only unless --sampled-lookup. Each configuration runs
+every prompt once, one request at a time, after a warm-up; tokens/s is all new tokens over all
+request times (prefill included, the same on both sides). Speedup is against the same engine's
+plain decoding in this run. tau = new tokens per target forward pass (transformers: counted
+with a forward hook). The two engines run in turn, not together, so that only one copy of the
+models is in memory. Also measured: the cost of our target pass over q rows relative to one
+row (the verification cost ratio). Writes
 bench/results/cpu_spec_<date>.json and prints markdown tables.
 """
 
@@ -50,12 +51,12 @@ def parse_pairs(s: str) -> list[tuple[int, int]]:
 
 # ---- specdec -----------------------------------------------------------------------------
 
-def ours_configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+def ours_configs(args: argparse.Namespace, temp: float) -> list[tuple[str, dict[str, Any]]]:
     cfgs: list[tuple[str, dict[str, Any]]] = [("plain", {"method": "none"})]
     for k, b in args.ours_draft:
         cfgs.append((f"draft k={k} b={b}", {"method": "draft_model", "draft_model": args.draft,
                                             "num_speculative_tokens": k, "branches": b}))
-    for k, b in args.ours_ngram:
+    for k, b in args.ours_ngram if temp == 0 or args.sampled_lookup else []:
         cfgs.append((f"ngram k={k} b={b}", {"method": "ngram", "num_speculative_tokens": k,
                                             "branches": b}))
     return cfgs
@@ -69,7 +70,7 @@ def run_ours(args: argparse.Namespace, sets: dict[str, list[list[int]]]) -> list
               enable_prefix_caching=False)
     rows = []
     for temp in args.temperatures:
-        for label, spec in ours_configs(args):
+        for label, spec in ours_configs(args, temp):
             params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0,
                                     ignore_eos=True, speculative=spec)
             warm = SamplingParams(temperature=temp, max_tokens=8, seed=0, ignore_eos=True,
@@ -136,14 +137,14 @@ def verify_cost(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- transformers ------------------------------------------------------------------------
 
-def hf_configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+def hf_configs(args: argparse.Namespace, temp: float) -> list[tuple[str, dict[str, Any]]]:
     cfgs: list[tuple[str, dict[str, Any]]] = [("plain", {})]
     cfgs.append(("assisted default", {"assistant": True}))
     for k in args.hf_k:
         cfgs.append((f"assisted k={k}", {"assistant": True, "num_assistant_tokens": k,
                                          "num_assistant_tokens_schedule": "constant",
                                          "assistant_confidence_threshold": 0.0}))
-    for k in args.hf_lookup:
+    for k in args.hf_lookup if temp == 0 or args.sampled_lookup else []:
         cfgs.append((f"prompt lookup k={k}", {"prompt_lookup_num_tokens": k}))
     return cfgs
 
@@ -165,7 +166,7 @@ def run_hf(args: argparse.Namespace, sets: dict[str, list[list[int]]]) -> list[d
     for temp in args.temperatures:
         sampling = ({"do_sample": True, "temperature": temp, "top_k": 0, "top_p": 1.0}
                     if temp > 0 else {})
-        for label, cfg in hf_configs(args):
+        for label, cfg in hf_configs(args, temp):
             cfg = dict(cfg)
             use_assistant = cfg.pop("assistant", False)
             extra = {"assistant_model": draft} if use_assistant else {}
@@ -259,6 +260,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ours-ngram", default="4:2", help="k:branches for n-gram lookup")
     ap.add_argument("--hf-k", default="4", help="matched num_assistant_tokens values")
     ap.add_argument("--hf-lookup", default="4", help="prompt_lookup_num_tokens values")
+    ap.add_argument("--sampled-lookup", action="store_true",
+                    help="also run n-gram / prompt lookup at temperature > 0")
     ap.add_argument("--engines", default="specdec,transformers")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--probe-reps", type=int, default=5)

@@ -84,7 +84,7 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
                 if auth:
                     check_auth(request)
                 resp = await fn(request)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes an error object
+            except Exception as exc:
                 resp = error_response(to_api_error(exc))
             metrics.requests.labels(label, str(resp.status_code)).inc()
             return resp

@@ -275,7 +275,7 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(rid, prompt, params)
-        except Exception as exc:  # noqa: BLE001 - reported to this request alone
+        except Exception as exc:
             with self._lock:
                 self._streams.pop(rid, None)
             stream.resolve(exc)

@@ -95,7 +95,7 @@ class PromptBuilder:
         try:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True,
                                                 tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - templates raise for e.g. bad role order
+        except Exception as exc:
             raise invalid("messages", f"chat template failed: {exc}") from None
         return self.encode(text), text
 

@@ -99,7 +99,7 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]
             async for out in s:
                 await queue.put((i, out))
             await queue.put((i, None))
-        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+        except Exception as exc:
             await queue.put((i, exc))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]

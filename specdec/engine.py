@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -12,7 +11,11 @@ import torch
 from drafters import DraftRequest, DraftTree, create_drafter, drafter_class
 from specdec.block_manager import BlockManager
 from specdec.config import (
-    CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
     resolve_model_config,
 )
 from specdec.detokenizer import IncrementalDetokenizer
@@ -211,7 +214,7 @@ class LLMEngine:
             segs.append(Segment(s.tokens[c:c + n], list(range(c, c + n)),
                                 [bm.slot(s, c + j) for j in range(n)], c, list(s.block_table),
                                 logits_rows=(n - 1,) if p.completes else ()))
-        for d, (toks, pars, probs) in zip(plan.decodes, trees):
+        for d, (toks, pars, _) in zip(plan.decodes, trees):
             s, c = d.seq, d.seq.num_computed
             if toks:
                 tree = DraftTree.from_lists([(toks, pars)])

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from specdec.block_manager import BlockManager
 from specdec.config import SchedulerConfig
-from specdec.sequence import Sequence, SeqStatus
+from specdec.sequence import SeqStatus, Sequence
 
 
 @dataclass

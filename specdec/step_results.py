@@ -71,7 +71,7 @@ def apply_verified(
     want_lp = [s.params.logprobs is not None for s, _ in samplers]
     lp_rows: list[int] = []
     lp_tokens: list[int] = []
-    for b, (seq, _) in enumerate(samplers):
+    for b in range(len(samplers)):
         if want_lp[b]:
             path_rows = [0] + [1 + a for a in acc_h[b][:num_h[b] - 1]]
             lp_rows += [local_offsets[b] + pr for pr in path_rows]

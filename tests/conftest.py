@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import make_model  # noqa: E402
+from tiny_models import make_model
 
 # The tests run tiny models: one thread avoids thread hand-off costs that dominate small ops
 # (and that balloon when two test processes share the two cores of a CI machine).

@@ -96,7 +96,7 @@ def test_random_aborts_free_every_block(tiny_llama, tiny_draft):
     rng = random.Random(0)
     live: set[str] = set()
     n = 0
-    for step in range(400):
+    for _ in range(400):
         if n < 200 and rng.random() < 0.6:
             rid = f"r{n}"
             spec = rng.choice([None, {"method": "none"}, SPECS[1],

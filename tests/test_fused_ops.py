@@ -10,8 +10,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from verify_kernels.fused_ops import (  # noqa: E402
-    add_rmsnorm, add_rmsnorm_ref, rope_, rope_ref, silu_mul, silu_mul_ref,
+from verify_kernels.fused_ops import (
+    add_rmsnorm,
+    add_rmsnorm_ref,
+    rope_,
+    rope_ref,
+    silu_mul,
+    silu_mul_ref,
 )
 
 DEV = "cuda" if os.environ.get("SPECDEC_TEST_DEVICE") == "cuda" else "cpu"

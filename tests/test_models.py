@@ -8,8 +8,8 @@ from tiny_models import make_model
 
 from specdec.engine import LLMEngine
 from specdec.model_runner import Segment
-from specdec.sequence import Sequence
 from specdec.sampling_params import SamplingParams
+from specdec.sequence import Sequence
 
 
 def our_logits(engine: LLMEngine, ids: list[int], chunk: int) -> torch.Tensor:

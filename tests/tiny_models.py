@@ -24,7 +24,11 @@ def make_model(path: Path, arch: str = "llama", vocab_size: int = 64, hidden: in
                layers: int = 2, heads: int = 4, kv_heads: int = 2, tied: bool = False,
                seed: int = 0, rope_scaling: dict | None = None, std: float = 0.3) -> Path:
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
         Qwen3ForCausalLM,
     )
 
