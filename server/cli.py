@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests may finish after SIGTERM")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra LLMEngine.from_args keyword (value parsed as int/float if it can)")
+    p.add_argument("--no-adaptive-speculation", action="store_true",
+                   help="keep every request's draft length fixed instead of letting the engine "
+                        "shrink it (down to plain decoding) when measured costs say it does "
+                        "not pay")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -65,7 +69,8 @@ def _parse_value(text: str) -> Any:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = {"model": args.model, "speculative": speculative_from_args(args)}
+    kw: dict[str, Any] = {"model": args.model, "speculative": speculative_from_args(args),
+                          "adaptive_speculation": not args.no_adaptive_speculation}
     for name in ("dtype", "device", "max_num_seqs", "max_model_len"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

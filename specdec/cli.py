@@ -32,11 +32,14 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--draft-model", default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--stats", action="store_true", help="print speculation metrics at the end")
+    p.add_argument("--no-adaptive-speculation", action="store_true",
+                   help="keep the draft length fixed even where it does not pay")
     a = p.parse_args(argv)
 
     from specdec import LLM, SamplingParams
 
-    llm = LLM(model=a.model, dtype=a.dtype, device=a.device, speculative=_spec(a))
+    llm = LLM(model=a.model, dtype=a.dtype, device=a.device, speculative=_spec(a),
+              adaptive_speculation=not a.no_adaptive_speculation)
     prompt: Any = a.prompt
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template(
@@ -91,16 +94,23 @@ def _serve(argv: list[str]) -> int:
     return serve_main(argv) or 0
 
 
-COMMANDS = {"generate": _generate, "pull": _pull, "serve": _serve}
+def _train(argv: list[str]) -> int:
+    from specdec.train_drafter import main as train_main
+
+    return train_main(argv)
+
+
+COMMANDS = {"generate": _generate, "pull": _pull, "serve": _serve, "train-drafter": _train}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
-        print("usage: specdec {generate,pull,serve} ...\n"
+        print("usage: specdec {generate,pull,serve,train-drafter} ...\n"
               "  generate [--model M] PROMPT   complete a prompt (streams)\n"
               "  pull NAME                     install a preset model\n"
-              "  serve [--model M] ...         OpenAI-compatible HTTP server", file=sys.stderr)
+              "  serve [--model M] ...         OpenAI-compatible HTTP server\n"
+              "  train-drafter --target M ...  train an EAGLE head", file=sys.stderr)
         return 2
     return COMMANDS[argv[0]](argv[1:])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -25,11 +26,16 @@ from specdec.sampler import RowContext, process_logits
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler, StepPlan
 from specdec.sequence import Sequence
+from specdec.spec_control import Candidate, SpeculationController
 from specdec.step_results import apply_verified, finish_check
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, attention_backend: str = "auto") -> None:
+    def __init__(self, config: EngineConfig, attention_backend: str = "auto",
+                 adaptive_speculation: bool = False) -> None:
+        """`adaptive_speculation`: requests that do not say otherwise (`"adaptive"` in their
+        speculative dict) let the engine shrink their draft length, down to plain decoding,
+        whenever measured costs say speculation would not pay (specdec.spec_control)."""
         from transformers import AutoTokenizer
 
         mc = resolve_model_config(config.model)
@@ -51,6 +57,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.spec_totals: dict[str, SpecMetrics] = {}
         self._eos = set(mc.eos_token_ids)
+        self.adaptive_default = adaptive_speculation
+        self.spec_control = SpeculationController()
+        self._depth: dict[str, int] = {}  # this step's chosen draft depth per request
 
     @staticmethod
     def from_args(model: str, dtype: str = "float32", device: str = "cpu",
@@ -63,6 +72,7 @@ class LLMEngine:
         sc_kw = {k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_waiting")
                  if k in kw}
         backend = kw.pop("attention_backend", "auto")
+        adaptive = bool(kw.pop("adaptive_speculation", False))
         seed = kw.pop("seed", 0)
         if kw:
             raise TypeError(f"unknown engine arguments: {sorted(kw)}")
@@ -76,7 +86,7 @@ class LLMEngine:
             model=ModelConfig(model=model, dtype=dtype, device=device, **mc_kw),
             cache=CacheConfig(**cc_kw), scheduler=SchedulerConfig(**sc_kw),
             speculative=SpeculativeConfig.from_dict(speculative), seed=seed)
-        return LLMEngine(cfg, attention_backend=backend)
+        return LLMEngine(cfg, attention_backend=backend, adaptive_speculation=adaptive)
 
     # -- requests ---------------------------------------------------------------------------
     @property
@@ -160,15 +170,38 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [self._finish(seq, "abort") for seq in list(self.seqs.values())
                    if seq.aborted]
-        want = {s.request_id: self._drafter_of(s).max_nodes(s.spec_k, s.spec_options)
-                for s in self.scheduler.running if s.spec_method != "none"}
+        self._depth = self._choose_depths()
+        want = {rid: self._drafter_of(self.seqs[rid]).max_nodes(k, self.seqs[rid].spec_options)
+                for rid, k in self._depth.items() if k > 0}
         plan = self.scheduler.schedule(want)
         for seq in plan.preempted:
             self._release_drafter(seq)
         if plan.empty:
             return outputs
         trees = self._propose(plan)
-        return outputs + self._run(plan, trees)
+        t0 = time.perf_counter()
+        results = self._run(plan, trees)
+        self.spec_control.record_pass(plan.num_tokens, time.perf_counter() - t0)
+        return outputs + results
+
+    def _choose_depths(self) -> dict[str, int]:
+        """Draft depth per speculating decode: its own k, or the controller's choice."""
+        decoding = [s for s in self.scheduler.running if not s.in_prefill]
+        fixed: dict[str, int] = {}
+        cands: list[Candidate] = []
+        for s in decoding:
+            if s.spec_method == "none":
+                continue
+            if s.spec_options.get("adaptive", self.adaptive_default):
+                cands.append(Candidate(
+                    s.request_id, s.spec_method, s.spec_k, self._spec.get(s.request_id),
+                    self._drafter_of(s).max_nodes(1, s.spec_options)))
+            else:
+                fixed[s.request_id] = s.spec_k
+        plain = len(decoding) - len(fixed) - len(cands)
+        base = len(decoding) + sum(self._drafter_of(self.seqs[r]).max_nodes(
+            k, self.seqs[r].spec_options) for r, k in fixed.items())
+        return {**fixed, **self.spec_control.choose(base, plain, cands)}
 
     def _drafter_of(self, seq: Sequence):
         return self._drafter(seq.spec_method, seq.spec_options.get("draft_model"))
@@ -186,12 +219,16 @@ class LLMEngine:
                 key = (d.seq.spec_method, d.seq.spec_options.get("draft_model"))
                 groups.setdefault(key, []).append(i)
         for key, idxs in groups.items():
+            t0 = time.perf_counter()
             batch = [DraftRequest(
                 request_id=plan.decodes[i].seq.request_id, tokens=plan.decodes[i].seq.tokens,
-                max_nodes=plan.decodes[i].max_draft_nodes, k=plan.decodes[i].seq.spec_k,
+                max_nodes=plan.decodes[i].max_draft_nodes,
+                k=self._depth.get(plan.decodes[i].seq.request_id, plan.decodes[i].seq.spec_k),
                 options=plan.decodes[i].seq.spec_options, params=plan.decodes[i].seq.params,
                 generator=self._gens[plan.decodes[i].seq.request_id]) for i in idxs]
             tree: DraftTree = self._drafter(*key).propose(batch)
+            self.spec_control.record_draft(key[0], max(r.k for r in batch),
+                                           time.perf_counter() - t0)
             for j, i in enumerate(idxs):
                 toks, pars = tree.seq(j)
                 s, e = tree.offsets[j], tree.offsets[j + 1]

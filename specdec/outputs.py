@@ -16,6 +16,7 @@ class SpecMetrics:
     accepted_tokens: int = 0
     steps: int = 0
     emitted_tokens: int = 0
+    rejected_steps: int = 0  # verifications that stopped before the end of the draft
     accepted_per_position: list[int] = field(default_factory=list)
 
     @property
@@ -26,7 +27,10 @@ class SpecMetrics:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
-    def record(self, num_draft: int, accepted_depth: int, emitted: int) -> None:
+    def record(self, num_draft: int, accepted_depth: int, emitted: int,
+               draft_depth: int | None = None) -> None:
+        if accepted_depth < (num_draft if draft_depth is None else draft_depth):
+            self.rejected_steps += 1
         self.steps += 1
         self.draft_tokens += num_draft
         self.accepted_tokens += accepted_depth

@@ -113,7 +113,8 @@ def apply_verified(
         else:
             bm.commit(seq, seq.num_tokens)  # a completed prefill: every token has its KV
         if seq.request_id in engine._spec and is_decode:
-            _record(engine, seq, len(toks), len(accepted), n)
+            depth = max(_depths(pars), default=0)
+            _record(engine, seq, len(toks), len(accepted), n, depth)
         logprobs = None
         if want_lp[b] and lp is not None:
             k = seq.params.logprobs or 0
@@ -140,10 +141,18 @@ def apply_verified(
     return outputs
 
 
-def _record(engine: LLMEngine, seq: Sequence, drafted: int, accepted: int, emitted: int) -> None:
-    engine._spec[seq.request_id].record(drafted, accepted, emitted)
+def _depths(parents: list[int]) -> list[int]:
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def _record(engine: LLMEngine, seq: Sequence, drafted: int, accepted: int, emitted: int,
+            depth: int) -> None:
+    engine._spec[seq.request_id].record(drafted, accepted, emitted, depth)
     tot = engine.spec_totals.setdefault(seq.spec_method, SpecMetrics(method=seq.spec_method))
-    tot.record(drafted, accepted, emitted)
+    tot.record(drafted, accepted, emitted, depth)
 
 
 def finish_check(engine: Any, seq: Sequence, new: list[int]) -> tuple[list[int], str | None]:

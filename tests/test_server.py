@@ -32,8 +32,9 @@ def servers(tiny_model: Path,
     common = ["--model", str(tiny_model), "--served-model-name", MODEL, "--dtype", "float32",
               "--device", "cpu"]
     srvs = {
+        # Fixed draft lengths: the tests check what speculation does, not when it pays.
         "main": ServerProcess([*common, "--max-num-seqs", "4", "--speculative", "ngram",
-                               "--num-speculative-tokens", "3"]),
+                               "--num-speculative-tokens", "3", "--no-adaptive-speculation"]),
         "strict": ServerProcess([*common, "--max-num-seqs", "1", "--max-waiting", "1",
                                  "--api-key", "sekrit", "--speculative", "none"]),
     }
