@@ -52,6 +52,8 @@ class DraftModelDrafter(Drafter):
         self.blocks = BlockManager(self.runner.num_blocks, draft_cache.block_size, False)
         self.vocab_size = mc.vocab_size
         self._seqs: dict[str, Sequence] = {}
+        # Per request after propose: (tokens up to the root, chain tokens whose KV was computed).
+        self._fed: dict[str, tuple[int, list[int]]] = {}
 
     def max_nodes(self, k: int, options: dict[str, Any]) -> int:
         return k * max(1, int(options.get("branches", 1)))
@@ -111,9 +113,12 @@ class DraftModelDrafter(Drafter):
                     probs[i].append(q[a].float().cpu())
                 feed[i] = [tok]
         for i, s in enumerate(states):
-            # KV past the root is draft-only: forget it; `accepted` resumes from the root.
             if live[i]:
-                self.blocks.commit(s, min(s.num_computed, len(s.tokens)))
+                # The draft KV now covers the root and the chain tokens fed after it; `accepted`
+                # keeps the part the target agreed with.
+                fed = s.num_computed - len(s.tokens)
+                chain = [trees[i][0][j] for j in _chain_nodes(trees[i][1])][:fed]
+                self._fed[r_id(batch[i])] = (len(s.tokens), chain)
         out_probs = [torch.stack(p) if p and len(p) == len(trees[i][0]) else None
                      for i, p in enumerate(probs)]
         return DraftTree.from_lists(trees, out_probs, self.vocab_size)
@@ -125,12 +130,32 @@ class DraftModelDrafter(Drafter):
 
     def accepted(self, request_id: str, num_tokens: int, tokens: list[int]) -> None:
         s = self._seqs.get(request_id)
-        if s is not None:
-            # KV is valid up to the root (committed in propose); the accepted draft tokens are
-            # recomputed in the next catch-up chunk together with the bonus token.
-            self.blocks.commit(s, min(s.num_computed, num_tokens - len(tokens)))
+        fed = self._fed.pop(request_id, None)
+        if s is None or fed is None:
+            return
+        root_len, chain = fed
+        match = 0
+        while match < len(chain) and match < len(tokens) and chain[match] == tokens[match]:
+            match += 1
+        # Valid draft KV: everything up to the root, plus the fed chain tokens the target
+        # accepted. The next catch-up chunk starts after them (often just the bonus token).
+        self.blocks.commit(s, min(s.num_computed, root_len + match))
 
     def release(self, request_id: str) -> None:
+        self._fed.pop(request_id, None)
         s = self._seqs.pop(request_id, None)
         if s is not None:
             self.blocks.free_seq(s)
+
+
+def r_id(r: DraftRequest) -> str:
+    return r.request_id
+
+
+def _chain_nodes(parents: list[int]) -> list[int]:
+    """Indices of the main chain: each node whose parent is the previous chain node."""
+    chain: list[int] = []
+    for i, p in enumerate(parents):
+        if p == (chain[-1] if chain else -1):
+            chain.append(i)
+    return chain

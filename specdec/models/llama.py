@@ -29,6 +29,19 @@ ARCHITECTURES: dict[str, ArchFlags] = {
 }
 
 
+class Linear(nn.Linear):
+    """nn.Linear, except for float32 on the CPU at few rows, where computing W @ x^T instead of
+    x @ W^T reaches a BLAS kernel several times faster (small-M x @ W^T falls back to a slow
+    path on some CPUs: 2.9x at 4 rows, 1.7x at 8, measured on the 2-core CI machine)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= 64:
+            if self.bias is None:
+                return torch.mm(self.weight, x.t()).t().contiguous()
+            return torch.addmm(self.bias[:, None], self.weight, x.t()).t().contiguous()
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -53,8 +66,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v in one matmul: one weight read, one launch.
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bool(hf.get("attention_bias", False)))
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=bool(hf.get("attention_bias", False)))
         eps = float(hf.get("rms_norm_eps", 1e-6))
         self.q_norm = RMSNorm(self.head_dim, eps) if flags.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if flags.qk_norm else None
@@ -100,8 +113,8 @@ class MLP(nn.Module):
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
         bias = bool(hf.get("mlp_bias", False))
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
         self.inter = inter
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
@@ -159,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         # Fused Triton norms, rotary and activation; switched on for CUDA by the loader.
         self.fused = False
-        self.lm_head = nn.Linear(int(hf["hidden_size"]), int(hf["vocab_size"]), bias=False)
+        self.lm_head = Linear(int(hf["hidden_size"]), int(hf["vocab_size"]), bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
