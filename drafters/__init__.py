@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from drafters import draft_model, ngram, replay  # noqa: F401  (registers the built-in drafters)
+from drafters import draft_model, eagle, ngram, replay  # noqa: F401  (registers the built-in drafters)
 from drafters.base import DRAFTERS, Drafter, DraftRequest, drafter_class, register
 from drafters.tree import DraftTree, chain
 

@@ -148,14 +148,15 @@ class EagleHead(nn.Module):
         if not self.eagle3:
             return ()
         ids = (self.hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if ids:
-            return tuple(int(i) for i in ids)
-        return (1, target_layers // 2 - 1, target_layers - 4)
+        if not ids:
+            ids = (1, target_layers // 2 - 1, target_layers - 4)
+        # Tiny targets: clamp into range (a layer may then appear twice, which is fine).
+        return tuple(min(max(int(i), 0), target_layers - 1) for i in ids)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features (as the engine delivers them) -> the head's input feature [.., H]."""
-        if self.eagle3:
-            return self.fc(features)  # [..., 3H] -> [..., H]
+        if self.eagle3:  # the three captured layers; the final normed state is not used
+            return self.fc(features[..., :self.fc.in_features])  # [..., 3H] -> [..., H]
         return features
 
     def step(
@@ -221,6 +222,7 @@ def save_head(head: EagleHead, path: str | Path, dtype: torch.dtype = torch.floa
     sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
           for k, v in head.state_dict().items()}
     save_file(sd, str(path / "model.safetensors"))
+    (path / "model.safetensors").chmod(0o644)  # safetensors writes owner-only files
 
 
 def head_config(target_hf: dict[str, Any], eagle3: bool = False,
