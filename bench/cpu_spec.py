@@ -56,6 +56,10 @@ def ours_configs(args: argparse.Namespace, temp: float) -> list[tuple[str, dict[
     for k, b in args.ours_draft:
         cfgs.append((f"draft k={k} b={b}", {"method": "draft_model", "draft_model": args.draft,
                                             "num_speculative_tokens": k, "branches": b}))
+        # The same drafter under the engine's draft-length controller (specdec.spec_control).
+        cfgs.append((f"draft k={k} b={b} adaptive", {
+            "method": "draft_model", "draft_model": args.draft, "num_speculative_tokens": k,
+            "branches": b, "adaptive": True}))
     for k, b in args.ours_ngram if temp == 0 or args.sampled_lookup else []:
         cfgs.append((f"ngram k={k} b={b}", {"method": "ngram", "num_speculative_tokens": k,
                                             "branches": b}))

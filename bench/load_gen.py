@@ -267,6 +267,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/load_<time>)")
+    p.add_argument("--plot-from", default=None,
+                   help="only draw the PNG of an earlier run's JSON (no traffic)")
     return p.parse_args(argv)
 
 
@@ -290,6 +292,10 @@ async def main_async(args: argparse.Namespace) -> list[RunResult]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plot_from:
+        data = json.loads(Path(args.plot_from).read_text())
+        plot([RunResult(**r) for r in data["results"]], Path(args.plot_from).with_suffix(".png"))
+        return 0
     host = urlparse(args.url).hostname
     if host not in LOOPBACK:
         print(f"refusing to load {host}: this tool only targets a server on this machine",
