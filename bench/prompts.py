@@ -12,6 +12,8 @@ import json
 from importlib import resources
 from typing import Any
 
+from specdec.drafter_data import json_array_prefix
+
 
 def humaneval_texts(n: int) -> list[str]:
     """The first n HumanEval prompts (function signature plus docstring), in file order."""
@@ -36,25 +38,6 @@ def sharegpt_texts(n: int, min_chars: int = 64, max_chars: int = 1200) -> list[s
         if len(out) == n:
             break
     return out
-
-
-def json_array_prefix(text: str) -> list[Any]:
-    """The items of a JSON array up to the first broken one (the packaged ShareGPT file is cut
-    off mid-record, which json.loads rejects as a whole)."""
-    decoder = json.JSONDecoder()
-    items: list[Any] = []
-    i = text.index("[") + 1
-    while i < len(text):
-        while i < len(text) and text[i] in " \t\r\n,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            break
-        try:
-            item, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            break
-        items.append(item)
-    return items
 
 
 def encode_code(tokenizer: Any, texts: list[str]) -> list[list[int]]:

