@@ -65,19 +65,6 @@ def make_model_dir(root: Path, name: str) -> Path:
     return d
 
 
-@torch.no_grad()
-def _init_random_on_device(model, std: float = 0.02) -> None:
-    # The loader draws on the CPU (minutes for 8B parameters); the same law on the device.
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith("bias"):
-            p.zero_()
-        else:
-            p.normal_(0.0, std, generator=gen)
-
-
 def build_engine(path: Path, backend: str, num_blocks: int):
     from specdec.config import (
         CacheConfig,
@@ -87,9 +74,6 @@ def build_engine(path: Path, backend: str, num_blocks: int):
         SpeculativeConfig,
     )
     from specdec.engine import LLMEngine
-    from specdec.models import loader
-
-    loader._init_random = _init_random_on_device
     # `path` set directly: resolve_model_path refuses a directory without safetensors.
     mc = ModelConfig(model=str(path), path=str(path), dtype="bfloat16", device="cuda",
                      load_format="dummy", max_model_len=4096)

@@ -118,7 +118,7 @@ class DraftModelDrafter(Drafter):
                 # keeps the part the target agreed with.
                 fed = s.num_computed - len(s.tokens)
                 chain = [trees[i][0][j] for j in _chain_nodes(trees[i][1])][:fed]
-                self._fed[r_id(batch[i])] = (len(s.tokens), chain)
+                self._fed[batch[i].request_id] = (len(s.tokens), chain)
         out_probs = [torch.stack(p) if p and len(p) == len(trees[i][0]) else None
                      for i, p in enumerate(probs)]
         return DraftTree.from_lists(trees, out_probs, self.vocab_size)
@@ -146,10 +146,6 @@ class DraftModelDrafter(Drafter):
         s = self._seqs.pop(request_id, None)
         if s is not None:
             self.blocks.free_seq(s)
-
-
-def r_id(r: DraftRequest) -> str:
-    return r.request_id
 
 
 def _chain_nodes(parents: list[int]) -> list[int]:

@@ -22,12 +22,12 @@ from specdec.config import (
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.model_runner import ModelRunner, Segment
 from specdec.outputs import RequestOutput, SpecMetrics
-from specdec.sampler import RowContext, process_logits
+from specdec.sampler import RowContext
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler, StepPlan
 from specdec.sequence import Sequence
 from specdec.spec_control import Candidate, SpeculationController
-from specdec.step_results import apply_verified, finish_check
+from specdec.step_results import apply_verified
 
 
 class LLMEngine:
@@ -366,5 +366,3 @@ def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
         node = parents[node]
     return path[::-1]
 
-
-__all__ = ["LLMEngine", "finish_check", "process_logits"]

@@ -69,7 +69,3 @@ class RequestOutput:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
-
-    @property
-    def all_logprobs(self) -> list[TokenLogprob] | None:
-        return self.logprobs

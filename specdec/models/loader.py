@@ -68,14 +68,15 @@ def _can_fuse(model: LlamaForCausalLM, device: torch.device) -> bool:
 
 @torch.no_grad()
 def _init_random(model: LlamaForCausalLM, std: float = 0.02) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    # Drawn where the weights live: on the CPU an 8B model would take minutes.
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()
         else:
-            p.copy_(torch.randn(p.shape, generator=gen).mul_(std).to(p.dtype))
+            p.normal_(0.0, std, generator=gen)
 
 
 def _tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
