@@ -68,7 +68,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     """[length, Hkv, D]: a sequence's first `length` cache entries, in order."""
     bs = cache.shape[1]
     nb = (length + bs - 1) // bs
-    return cache[block_table[:nb]].reshape(nb * bs, *cache.shape[2:])[:length]
+    # index_select rather than advanced indexing: the same copy at a third of the CPU cost.
+    return cache.index_select(0, block_table[:nb]).reshape(nb * bs, *cache.shape[2:])[:length]
 
 
 def step_mask(meta: AttentionMetadata, b: int, device: torch.device) -> torch.Tensor | None:
@@ -96,7 +97,7 @@ def paged_attention_ref(
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    if meta.all_decode and meta.num_seqs > 1:
+    if meta.all_decode:
         return _decode_batch(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     start = 0
@@ -117,21 +118,30 @@ def paged_attention_ref(
 
 
 def _decode_batch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    bsz, bs = meta.num_seqs, k_cache.shape[1]
+    """One query row per sequence. The g = Hq / Hkv query heads that share a KV head become g
+    rows of one batched matmul per KV head, reading the gathered K and V in place (a head's
+    [S, D] slice is a strided matrix BLAS takes as is): no repeated K/V, no transposed copies,
+    and none of SDPA's slow GQA path on the CPU."""
+    hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
+    bsz, bs, g = meta.num_seqs, k_cache.shape[1], hq // hkv
     max_len = meta.max_seq_len
     nb = (max_len + bs - 1) // bs
-    tables = meta.block_tables[:, :nb]  # [B, nb]
-    k = k_cache[tables].reshape(bsz, nb * bs, hkv, -1)  # [B, S, Hkv, D]
-    v = v_cache[tables].reshape(bsz, nb * bs, hkv, -1)
-    pos = torch.arange(nb * bs, device=q.device)
-    valid = pos[None, :] < meta.seq_lens[:, None].to(q.device)  # [B, S]
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [B, Hq, 1, D]
-        k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=hq != hkv,
-    )  # [B, Hq, 1, D]
-    return o.squeeze(2)
+    tables = meta.block_tables[:, :nb].reshape(-1)  # [B * nb]
+    k = k_cache.index_select(0, tables).view(bsz, nb * bs, hkv, d)  # [B, S, Hkv, D]
+    v = v_cache.index_select(0, tables).view(bsz, nb * bs, hkv, d)
+    if bsz == 1:  # nothing to mask: cut the padding off instead
+        k, v = k[:, :max_len], v[:, :max_len]
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    qg = q.view(bsz, hkv, g, d)  # [B, Hkv, g, D]
+    scores = torch.stack([torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)],
+                         dim=1).float() * scale  # [B, Hkv, g, S]
+    if bsz > 1:
+        pad = torch.arange(k.shape[1], device=q.device)[None, :] >= meta.seq_lens[:, None].to(
+            q.device)  # [B, S]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, Hkv, g, S]
+    o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(hkv)], dim=1)
+    return o.reshape(bsz, hq, d)  # [B, Hkv, g, D] -> [B, Hq, D]
 
 
 class TorchAttentionBackend:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.attention import AttentionMetadata
+from specdec.models.cpu_linear import cpu_linear
 from specdec.models.rope import RotaryEmbedding
 
 
@@ -30,15 +31,12 @@ ARCHITECTURES: dict[str, ArchFlags] = {
 
 
 class Linear(nn.Linear):
-    """nn.Linear, except for float32 on the CPU at few rows, where computing W @ x^T instead of
-    x @ W^T reaches a BLAS kernel several times faster (small-M x @ W^T falls back to a slow
-    path on some CPUs: 2.9x at 4 rows, 1.7x at 8, measured on the 2-core CI machine)."""
+    """nn.Linear, except for float32 on the CPU at few rows, where the fastest of several
+    kernels is picked per shape (see cpu_linear.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= 64:
-            if self.bias is None:
-                return torch.mm(self.weight, x.t()).t().contiguous()
-            return torch.addmm(self.bias[:, None], self.weight, x.t()).t().contiguous()
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            return cpu_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -49,6 +47,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; the same arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -85,10 +85,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos_sin is None:  # fused path: rotate q and k in place inside the qkv buffer
@@ -96,10 +95,12 @@ class Attention(nn.Module):
 
             rope_(q, positions, self.rotary.inv_freq, self.rotary.attention_scaling)
             rope_(k, positions, self.rotary.inv_freq, self.rotary.attention_scaling)
+        elif self.q_norm is None:  # q and k side by side in qkv: rotate both at once
+            qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d),
+                                       *cos_sin)  # [T, Hq + Hkv, D]
+            q, k = qk[:, :hq], qk[:, hq:]
         else:
-            cos, sin = cos_sin
-            q = RotaryEmbedding.apply(q, cos, sin)
-            k = RotaryEmbedding.apply(k, cos, sin)
+            q, k = RotaryEmbedding.apply(q, *cos_sin), RotaryEmbedding.apply(k, *cos_sin)
         backend.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         o = backend.attend(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))

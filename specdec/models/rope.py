@@ -85,17 +85,19 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """(cos, signed sin), each [T, 1, rot]; the sin's first half is negated so that
+        rotate_half(x) * sin == roll(x, rot / 2) * signed sin, one op instead of four."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rot/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [T, rot]
-        cos = (emb.cos() * self.attention_scaling).to(dtype)
-        sin = (emb.sin() * self.attention_scaling).to(dtype)
-        return cos[:, None, :], sin[:, None, :]  # [T, 1, rot]
+        cos = (freqs.cos() * self.attention_scaling).to(dtype)
+        sin = (freqs.sin() * self.attention_scaling).to(dtype)
+        return torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated by cos_sin's (cos, signed sin) over its first rot dims."""
         rot = cos.shape[-1]
+        if rot == x.shape[-1]:
+            return torch.addcmul(x * cos, x.roll(rot // 2, -1), sin)
         xr, xp = x[..., :rot], x[..., rot:]  # [T, H, rot], [T, H, D - rot]
-        half = rot // 2
-        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-        out = xr * cos + rotated * sin
-        return torch.cat([out, xp], dim=-1) if xp.numel() else out
+        out = torch.addcmul(xr * cos, xr.roll(rot // 2, -1), sin)
+        return torch.cat([out, xp], dim=-1)
