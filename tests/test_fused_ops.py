@@ -10,45 +10,58 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from specdec.attention import write_kv_ref
 from verify_kernels.fused_ops import (
-    add_rmsnorm,
-    add_rmsnorm_ref,
-    rope_,
+    rms_norm,
+    rms_norm_ref,
     rope_ref,
+    rope_write_kv,
     silu_mul,
     silu_mul_ref,
 )
+from verify_kernels.skinny_gemm import fused_linear, skinny_linear, skinny_linear_ref
 
 DEV = "cuda" if os.environ.get("SPECDEC_TEST_DEVICE") == "cuda" else "cpu"
 DT = torch.bfloat16 if DEV == "cuda" else torch.float32
 TOL = {"atol": 2e-2, "rtol": 2e-2} if DT == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+MM_TOL = {"atol": 5e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
 
 
-@pytest.mark.parametrize("t,h,first", [(1, 64, True), (5, 96, False), (3, 128, False)])
-def test_add_rmsnorm(t, h, first):
+@pytest.mark.parametrize("t,h", [(1, 64), (5, 96), (3, 128)])
+def test_rms_norm(t, h):
     g = torch.Generator().manual_seed(t * h)
     x = torch.randn(t, h, generator=g).to(DEV, DT)
-    res = None if first else torch.randn(t, h, generator=g).to(DEV, DT)
     w = torch.randn(h, generator=g).to(DEV, DT)
-    ref_out, ref_res = add_rmsnorm_ref(x, None if first else res.clone(), w, 1e-6)
-    out, new_res = add_rmsnorm(x, res, w, 1e-6)
-    torch.testing.assert_close(out, ref_out, **TOL)
-    torch.testing.assert_close(new_res, ref_res, **TOL)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), **TOL)
 
 
-@pytest.mark.parametrize("t,heads,d", [(1, 2, 64), (4, 3, 128)])
-def test_rope_in_place_on_strided_rows(t, heads, d):
-    g = torch.Generator().manual_seed(d)
-    buf = torch.randn(t, heads * d + 7, generator=g).to(DEV, DT)  # q inside a fused qkv row
-    q = buf[:, :heads * d].view(t, heads, d)
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 2, 64), (5, 6, 2, 128), (3, 2, 2, 64)])
+def test_rope_write_kv(t, hq, hkv, d):
+    """q rotated in place inside a fused qkv row; rotated k and plain v land at their slots;
+    a negative slot writes nothing."""
+    g = torch.Generator().manual_seed(t * d + hq)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d + 5, generator=g).to(DEV, DT)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].view(t, hkv, d)
     pos = torch.randint(0, 4000, (t,), generator=g).to(DEV)
     inv = (1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))).to(DEV)
-    ref = rope_ref(q.clone(), pos, inv, 1.1)
-    tail = buf[:, heads * d:].clone()
-    rope_(q, pos, inv, 1.1)
-    torch.testing.assert_close(q, ref, **({"atol": 1e-4, "rtol": 1e-4} if DT == torch.float32
-                                          else TOL))
-    assert torch.equal(buf[:, heads * d:], tail)
+    nb, bs = 6, 4
+    slots = torch.randperm(nb * bs, generator=g)[:t].to(DEV)
+    slots[0] = -1
+    kc = torch.randn(nb, bs, hkv, d, generator=g).to(DEV, DT)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(DEV, DT)
+    q_ref = rope_ref(q.clone(), pos, inv, 1.1)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    keep = slots >= 0
+    write_kv_ref(rope_ref(k, pos, inv, 1.1)[keep], v[keep], kc_ref, vc_ref, slots[keep])
+    tail = qkv[:, (hq + 2 * hkv) * d:].clone()
+    rope_write_kv(q, k, v, pos, inv, 1.1, kc, vc, slots)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if DT == torch.float32 else TOL
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(kc, kc_ref, **tol)
+    torch.testing.assert_close(vc, vc_ref, **tol)
+    assert torch.equal(qkv[:, (hq + 2 * hkv) * d:], tail)
 
 
 @pytest.mark.parametrize("t,inter", [(1, 64), (3, 1500)])
@@ -57,15 +70,61 @@ def test_silu_mul(t, inter):
     torch.testing.assert_close(silu_mul(gu), silu_mul_ref(gu), **TOL)
 
 
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("n,k", [(64, 128), (200, 96)])
+@pytest.mark.parametrize("prologue", ["none", "norm", "silu"])
+@pytest.mark.parametrize("epilogue", ["none", "bias", "residual", "float32"])
+def test_skinny_linear(m, n, k, prologue, epilogue):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, 2 * k if prologue == "silu" else k, generator=g).to(DEV, DT)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, DT)
+    kw = {}
+    if prologue == "norm":
+        kw.update(norm_weight=torch.randn(k, generator=g).to(DEV, DT), eps=1e-5)
+    kw["silu_mul"] = prologue == "silu"
+    bias = torch.randn(n, generator=g).to(DEV, DT) if epilogue == "bias" else None
+    if epilogue == "residual":
+        kw["residual"] = torch.randn(m, n, generator=g).to(DEV, DT)
+    if epilogue == "float32":
+        kw["out_dtype"] = torch.float32
+    ref = skinny_linear_ref(x, w, bias, **{**kw, "residual": kw.get("residual")})
+    res_before = kw["residual"].clone() if "residual" in kw else None
+    out = skinny_linear(x, w, bias, **kw)
+    assert out.dtype == ref.dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
+    if res_before is not None:  # the residual is the output buffer, updated in place
+        assert out.data_ptr() == kw["residual"].data_ptr()
+        assert not torch.equal(kw["residual"], res_before)
+
+
+def test_fused_linear_past_skinny_rows():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 2 * 48, generator=g).to(DEV, DT)
+    w = (torch.randn(64, 48, generator=g) / 7).to(DEV, DT)
+    res = torch.randn(20, 64, generator=g).to(DEV, DT)
+    ref = skinny_linear_ref(x, w, silu_mul=True, residual=res)
+    out = fused_linear(x, w, silu_mul=True, residual=res)
+    assert out.data_ptr() == res.data_ptr()
+    torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
+
+
 @pytest.mark.skipif(DEV == "cuda", reason="the CPU model check runs under the interpreter")
-def test_fused_model_equals_eager(tiny_llama):
+@pytest.mark.parametrize("rows", [1, 12, 20])
+def test_fused_model_equals_eager(tiny_llama, rows):
+    """The fused forward (skinny matmuls up to 16 rows, cuBLAS-style past that) gives the eager
+    logits, and writes the same KV: a decode step after it agrees too."""
     from specdec.engine import LLMEngine
     from specdec.model_runner import Segment
 
-    eng = LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"}, num_blocks=8)
-    seg = Segment(list(range(1, 13)), list(range(12)), list(range(12)), 0, [0],
-                  logits_rows=tuple(range(12)))
-    eager = eng.runner.execute([seg]).logits
-    eng.runner.model.fused = True
-    fused = eng.runner.execute([seg]).logits
-    torch.testing.assert_close(fused, eager, atol=1e-4, rtol=1e-4)
+    def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        eng = LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"}, num_blocks=8)
+        eng.runner.model.fused = fused
+        seg = Segment(list(range(1, rows + 1)), list(range(rows)), list(range(rows)), 0, [0, 1],
+                      logits_rows=tuple(range(rows)))
+        first = eng.runner.execute([seg]).logits
+        step = Segment([5], [rows], [rows], rows, [0, 1], logits_rows=(0,))
+        return first, eng.runner.execute([step]).logits
+
+    eager, fused = run(False), run(True)
+    torch.testing.assert_close(fused[0], eager[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fused[1], eager[1], atol=1e-4, rtol=1e-4)

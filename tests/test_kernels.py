@@ -154,7 +154,7 @@ def test_mixed_random_batch(seed):
     run_attention(specs, hq, hkv, d, bs, seed=seed)
 
 
-@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("num_splits", [2, 3, 7, 32])
 def test_split_kv(num_splits):
     g = torch.Generator().manual_seed(num_splits)
     # Long and short contexts (short ones leave partitions empty), a tree and a prefill chunk.

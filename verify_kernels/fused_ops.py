@@ -1,7 +1,9 @@
 """Fused elementwise kernels for the decoder layer on the GPU.
 
 At small batch a layer's norms, rotary embedding and activation are a few thousand elements each:
-their cost is one kernel launch apiece, not bytes. Fusing them cuts ~25 launches per layer to 3.
+their cost is one kernel launch apiece, not bytes. At up to 16 rows the norms and activation fold
+into the matmuls (skinny_gemm.py) and rotary joins the KV write (`rope_write_kv`); past that these
+kernels run beside cuBLAS.
 Each kernel has a checked launcher and a PyTorch reference beside it.
 """
 
@@ -13,95 +15,44 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rmsnorm_kernel(
+def _rms_norm_kernel(
     x_ptr,  # [T, H]
-    res_ptr,  # [T, H], read unless FIRST, then overwritten with x + res
     w_ptr,  # [H]
     out_ptr,  # [T, H]
-    stride_x, stride_r, stride_o,
+    stride_x, stride_o,
     hidden, eps,
-    FIRST: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
-    if FIRST:
-        s = x
-    else:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=m, other=0.0)
-        s = (x + r).to(x.dtype)  # the residual stream keeps the model dtype, as in eager
-    tl.store(res_ptr + row * stride_r + cols, s, mask=m)
-    s32 = s.to(tl.float32)
+    s32 = x.to(tl.float32)
     var = tl.sum(s32 * s32, axis=0) / hidden
     normed = (s32 * tl.rsqrt(var + eps)).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=m, other=0.0)
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def add_rmsnorm(
+def rms_norm(
     x: torch.Tensor,  # [T, H]
-    residual: torch.Tensor | None,  # [T, H] or None for the first layer
     weight: torch.Tensor,  # [H]
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, H], new residual [T, H])
-    """residual <- x + residual; return (rmsnorm(residual) * weight, residual)."""
+) -> torch.Tensor:  # [T, H]
+    """rmsnorm(x) * weight, rounded to the model dtype before the weight as in eager."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, H] with contiguous rows"
     assert weight.shape == (x.shape[1],) and weight.is_contiguous()
-    first = residual is None
-    res = torch.empty_like(x) if first else residual
-    assert res.shape == x.shape and res.stride(1) == 1 and res.dtype == x.dtype
     out = torch.empty_like(x)
     t, h = x.shape
     if t:
-        _add_rmsnorm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0),
-                                  h, eps, FIRST=first, BLOCK=triton.next_power_of_2(h))
-    return out, res
+        _rms_norm_kernel[(t,)](x, weight, out, x.stride(0), out.stride(0), h, eps,
+                               BLOCK=triton.next_power_of_2(h))
+    return out
 
 
-def add_rmsnorm_ref(x, residual, weight, eps):
-    s = x if residual is None else x + residual
-    s32 = s.float()
-    normed = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * normed, s
-
-
-@triton.jit
-def _rope_kernel(
-    x_ptr,  # [T, Hx, D] (q or k, rows may be strided inside a fused qkv buffer)
-    pos_ptr,  # [T] int64
-    inv_ptr,  # [D / 2] float32
-    stride_t, stride_h, scaling,
-    HALF: tl.constexpr,
-):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    d = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    freq = pos * tl.load(inv_ptr + d)
-    cos = tl.cos(freq) * scaling
-    sin = tl.sin(freq) * scaling
-    base = x_ptr + t * stride_t + h * stride_h
-    x1 = tl.load(base + d).to(tl.float32)
-    x2 = tl.load(base + HALF + d).to(tl.float32)
-    tl.store(base + d, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty))
-    tl.store(base + HALF + d, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty))
-
-
-def rope_(
-    x: torch.Tensor,  # [T, Hx, D], last dim contiguous; rotated in place
-    positions: torch.Tensor,  # [T] int64
-    inv_freq: torch.Tensor,  # [D / 2] float32
-    scaling: float = 1.0,
-) -> torch.Tensor:
-    t, hx, d = x.shape
-    assert x.stride(2) == 1 and d % 2 == 0 and inv_freq.shape == (d // 2,)
-    assert positions.shape == (t,) and inv_freq.dtype == torch.float32
-    assert (d // 2) & (d // 2 - 1) == 0, "head_dim / 2 must be a power of two"
-    if t:
-        _rope_kernel[(t, hx)](x, positions, inv_freq, x.stride(0), x.stride(1), scaling,
-                              HALF=d // 2)
-    return x
+def rms_norm_ref(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_ref(x, positions, inv_freq, scaling=1.0):
@@ -112,6 +63,91 @@ def rope_ref(x, positions, inv_freq, scaling=1.0):
     xf = x.float()
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    q_ptr,  # [T, Hq, D], rotated in place
+    k_ptr,  # [T, Hkv, D], read only: the rotated keys go to the cache
+    v_ptr,  # [T, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D], slots contiguous
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D], slots contiguous
+    pos_ptr,  # [T] int64
+    inv_ptr,  # [D / 2] float32
+    slot_ptr,  # [T] int64, negative = padding, not written
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cslot, stride_ch,
+    scaling,
+    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    freq = pos * tl.load(inv_ptr + d)
+    cos = tl.cos(freq) * scaling
+    sin = tl.sin(freq) * scaling
+    if h < NUM_Q_HEADS:
+        base = q_ptr + t * stride_qt + h * stride_qh
+        x1 = tl.load(base + d).to(tl.float32)
+        x2 = tl.load(base + HALF + d).to(tl.float32)
+        tl.store(base + d, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty))
+        tl.store(base + HALF + d, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty))
+    else:
+        hk = h - NUM_Q_HEADS
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            src = k_ptr + t * stride_kt + hk * stride_kh
+            x1 = tl.load(src + d).to(tl.float32)
+            x2 = tl.load(src + HALF + d).to(tl.float32)
+            # Rounded to the model dtype first, as the unfused path stores rotated k.
+            r1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
+            r2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
+            dst = slot * stride_cslot + hk * stride_ch
+            tl.store(k_cache_ptr + dst + d, r1.to(k_cache_ptr.dtype.element_ty))
+            tl.store(k_cache_ptr + dst + HALF + d, r2.to(k_cache_ptr.dtype.element_ty))
+            vsrc = v_ptr + t * stride_vt + hk * stride_vh
+            v1 = tl.load(vsrc + d)
+            v2 = tl.load(vsrc + HALF + d)
+            tl.store(v_cache_ptr + dst + d, v1.to(v_cache_ptr.dtype.element_ty))
+            tl.store(v_cache_ptr + dst + HALF + d, v2.to(v_cache_ptr.dtype.element_ty))
+
+
+def rope_write_kv(
+    q: torch.Tensor,  # [T, Hq, D], rotated in place
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int64
+    inv_freq: torch.Tensor,  # [D / 2] float32
+    scaling: float,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Rotary on q (in place) and k, and the step's K/V into the cache, in one launch."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    assert k.shape == (t, hkv, d) and v.shape == (t, hkv, d), "q, k, v shapes"
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    assert k_cache.shape[2:] == (hkv, d) and v_cache.shape == k_cache.shape
+    assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), "slots must be contiguous"
+    assert positions.shape == (t,) and slot_mapping.shape == (t,)
+    assert inv_freq.shape == (d // 2,) and inv_freq.dtype == torch.float32
+    assert (d // 2) & (d // 2 - 1) == 0, "head_dim / 2 must be a power of two"
+    if t:
+        _rope_write_kv_kernel[(t, hq + hkv)](
+            q, k, v, k_cache, v_cache, positions, inv_freq, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(1), k_cache.stride(2), scaling, NUM_Q_HEADS=hq, HALF=d // 2)
+
+
+def rope_write_kv_ref(q, k, v, positions, inv_freq, scaling, k_cache, v_cache, slot_mapping):
+    from specdec.attention import write_kv_ref
+
+    q.copy_(rope_ref(q, positions, inv_freq, scaling))
+    keep = slot_mapping >= 0
+    kr = rope_ref(k, positions, inv_freq, scaling)
+    write_kv_ref(kr[keep], v[keep], k_cache, v_cache, slot_mapping[keep])
 
 
 @triton.jit

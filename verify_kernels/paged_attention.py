@@ -232,7 +232,9 @@ def choose_num_splits(meta: AttentionMetadata, num_q_heads: int, num_kv_heads: i
     programs = (num_tokens // block_q + meta.num_seqs) * num_kv_heads  # the grid, upper bound
     if programs >= sms:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(meta.max_seq_len, 256), 32))
+    # One KV tile per split where the GPU has room: at batch 1 a split walking several tiles
+    # is a chain of dependent loads, and its latency, not bandwidth, sets the kernel's time.
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(meta.max_seq_len, 64), 32))
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
         kv: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
@@ -90,12 +90,7 @@ class Attention(nn.Module):
         q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cos_sin is None:  # fused path: rotate q and k in place inside the qkv buffer
-            from verify_kernels.fused_ops import rope_
-
-            rope_(q, positions, self.rotary.inv_freq, self.rotary.attention_scaling)
-            rope_(k, positions, self.rotary.inv_freq, self.rotary.attention_scaling)
-        elif self.q_norm is None:  # q and k side by side in qkv: rotate both at once
+        if self.q_norm is None:  # q and k side by side in qkv: rotate both at once
             qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d),
                                        *cos_sin)  # [T, Hq + Hkv, D]
             q, k = qk[:, :hq], qk[:, hq:]
@@ -104,6 +99,32 @@ class Attention(nn.Module):
         backend.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         o = backend.attend(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
+
+    def forward_fused(
+        self,
+        res: torch.Tensor,  # [T, hidden] residual stream, o_proj's output is added in place
+        norm: RMSNorm,  # the layer's input norm, folded into the qkv matmul
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        backend: Any,
+    ) -> None:
+        from verify_kernels.fused_ops import rope_write_kv
+        from verify_kernels.skinny_gemm import fused_linear
+
+        t = res.shape[0]
+        qkv = fused_linear(res, self.qkv_proj.weight, self.qkv_proj.bias,
+                           norm_weight=norm.weight, eps=norm.eps)  # [T, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rope_write_kv(q, k, v, positions, self.rotary.inv_freq, self.rotary.attention_scaling,
+                      kv[0], kv[1], meta.slot_mapping)
+        o = backend.attend(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
+        fused_linear(o.view(t, self.q_size), self.o_proj.weight, self.o_proj.bias, residual=res)
 
 
 class MLP(nn.Module):
@@ -118,11 +139,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=bias)
         self.inter = inter
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if fused:
-            from verify_kernels.fused_ops import silu_mul
-
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -136,19 +153,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(int(hf["hidden_size"]), eps)
         self.mlp = MLP(hf)
 
-    def forward(self, x, residual, cos_sin, positions, meta, kv, backend, fused=False):
-        if fused:
-            from verify_kernels.fused_ops import add_rmsnorm
-
-            ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-            normed, residual = add_rmsnorm(x, residual, ln1.weight, ln1.eps)
-            h = self.self_attn(normed, None, positions, meta, kv, backend)
-            normed, residual = add_rmsnorm(h, residual, ln2.weight, ln2.eps)
-            return self.mlp(normed, fused=True), residual
+    def forward(self, x, residual, cos_sin, positions, meta, kv, backend):
         residual = x if residual is None else x + residual
         h = self.self_attn(self.input_layernorm(residual), cos_sin, positions, meta, kv, backend)
         residual = h + residual
         return self.mlp(self.post_attention_layernorm(residual)), residual
+
+    def forward_fused(self, res, positions, meta, kv, backend) -> None:
+        """The GPU path: `res` [T, hidden] is the residual stream, updated in place; norms and
+        the activation ride inside the matmuls (verify_kernels/skinny_gemm.py)."""
+        from verify_kernels.skinny_gemm import fused_linear
+
+        self.self_attn.forward_fused(res, self.input_layernorm, positions, meta, kv, backend)
+        ln, mlp = self.post_attention_layernorm, self.mlp
+        gate_up = fused_linear(res, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                               norm_weight=ln.weight, eps=ln.eps)  # [T, 2 * inter]
+        fused_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, silu_mul=True,
+                     residual=res)
 
 
 class LlamaModel(nn.Module):
@@ -189,20 +210,29 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final normed hidden states and the residual stream after each layer
         index in `capture_layers` (what EAGLE-style drafters consume)."""
         m = self.model
+        if self.fused:
+            from verify_kernels.fused_ops import rms_norm
+
+            res = m.embed_tokens(input_ids)  # [T, hidden], the residual stream
+            captured: list[torch.Tensor] = []
+            for i, layer in enumerate(m.layers):
+                layer.forward_fused(res, positions, meta, kv_cache[i], backend)
+                if i in capture_layers:
+                    captured.append(res.clone())
+            return rms_norm(res, m.norm.weight, m.norm.eps), captured
         x = m.embed_tokens(input_ids)
-        cos_sin = None if self.fused else m.rotary.cos_sin(positions, x.dtype)
+        cos_sin = m.rotary.cos_sin(positions, x.dtype)
         residual = None
-        captured: list[torch.Tensor] = []
+        captured = []
         for i, layer in enumerate(m.layers):
-            x, residual = layer(x, residual, cos_sin, positions, meta, kv_cache[i], backend,
-                                self.fused)
+            x, residual = layer(x, residual, cos_sin, positions, meta, kv_cache[i], backend)
             if i in capture_layers:
                 captured.append(x + residual)
-        if self.fused:
-            from verify_kernels.fused_ops import add_rmsnorm
-
-            return add_rmsnorm(x, residual, m.norm.weight, m.norm.eps)[0], captured
         return m.norm(x + residual), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, V]
+        if self.fused:
+            from verify_kernels.skinny_gemm import fused_linear
+
+            return fused_linear(hidden, self.lm_head.weight, out_dtype=torch.float32)
         return self.lm_head(hidden).float()

@@ -1,0 +1,111 @@
+"""Where a decode step's GPU time goes, on the Llama-3.1-8B shape (random weights, bf16).
+
+1. Every linear layer of the shape at 1, 4 and 16 rows: cuBLAS (`F.linear`) against
+   `verify_kernels.skinny_gemm.skinny_linear` (tile sizes tuned per shape), as weight-read
+   bandwidth, L2 cleared before each run (triton.testing.do_bench).
+2. One eager decode step at batch 1 with a 1k context under torch.profiler: GPU time per kernel
+   family, kernel count, and the sum against the step's wall time.
+
+    PYTHONPATH=. python3 bench/gpu_step_profile.py --out DIR   (writes DIR/gpu_step_profile.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_engine as ge
+
+
+def linear_bench(out: dict) -> None:
+    from triton.testing import do_bench
+
+    from verify_kernels.skinny_gemm import chosen_configs, skinny_linear
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+              "down": (4096, 14336), "lm_head": (128256, 4096)}
+    rows = []
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_cublas = do_bench(lambda x=x, w=w: F.linear(x, w), warmup=10, rep=50)
+            skinny_linear(x, w)  # tunes
+            t_ours = do_bench(lambda x=x, w=w: skinny_linear(x, w), warmup=10, rep=50)
+            gb = n * k * 2 / 1e9
+            rows.append({"layer": name, "n": n, "k": k, "rows": m,
+                         "cublas_us": t_cublas * 1e3, "skinny_us": t_ours * 1e3,
+                         "cublas_tb_s": gb / t_cublas, "skinny_tb_s": gb / t_ours})
+            ge.log(f"{name} m={m}: cuBLAS {t_cublas * 1e3:.1f} us ({gb / t_cublas:.2f} TB/s), "
+                   f"skinny {t_ours * 1e3:.1f} us ({gb / t_ours:.2f} TB/s)")
+    out["linear"] = rows
+    out["skinny_configs"] = {str(k): v for k, v in chosen_configs().items()}
+
+
+def family(name: str) -> str:
+    for key in ("skinny", "paged_attn", "reduce", "rope_write_kv", "rms_norm", "silu",
+                "gemm", "gemv", "nvjet", "cutlass", "index", "elementwise", "copy", "argmax"):
+        if key in name.lower():
+            return key
+    return name[:40]
+
+
+def step_profile(out: dict) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    tmp = Path(tempfile.mkdtemp())
+    engine = ge.build_engine(ge.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton", 600)
+    engine.runner.kv.normal_()
+    segs = ge.step_segments(engine, 1, 1, ge.CTX)
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    for _ in range(3):
+        engine.runner.execute(segs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.runner.execute(segs)
+        torch.cuda.synchronize()
+    fam: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            f = fam[family(e.name)]
+            f[0] += e.device_time / 5
+            f[1] += 1 / 5
+    total = sum(v[0] for v in fam.values())
+    out["eager_step_gpu_us_by_kernel"] = {k: {"us": round(v[0], 1), "launches": round(v[1], 1)}
+                                          for k, v in sorted(fam.items(), key=lambda kv: -kv[1][0])}
+    out["eager_step_gpu_busy_us"] = total
+    ge.log(f"eager step: {total:.0f} us of GPU time in {sum(v[1] for v in fam.values()):.0f} "
+           "launches")
+    for k, v in list(out["eager_step_gpu_us_by_kernel"].items())[:12]:
+        ge.log(f"  {k:40s} {v['us']:8.1f} us  {v['launches']:.0f} launches")
+    engine.runner.graphs = graphs
+    out["graph_step_ms"] = ge.time_steps(engine, segs) * 1e3
+    ge.log(f"graphed step (runner.execute): {out['graph_step_ms']:.3f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                 "note": ge.NOTE}
+    linear_bench(out)
+    (out_dir / "gpu_step_profile.json").write_text(json.dumps(out, indent=1))
+    step_profile(out)
+    (out_dir / "gpu_step_profile.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

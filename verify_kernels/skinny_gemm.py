@@ -1,0 +1,242 @@
+"""Linear layers over few rows (decode and small verification steps), with the layer's
+elementwise work folded in.
+
+At up to 16 rows a linear layer streams its weight once and does almost no arithmetic, so the
+step's other kernels (RMSNorm, SiLU-and-multiply, the residual add) cost a launch each and
+nothing else. This kernel folds them into the matmul:
+
+- `norm_weight`: the input is RMS-normalised on the fly. rmsnorm(x) @ W^T equals
+  rstd * ((x * g) @ W^T), and the sum of squares behind rstd accumulates in the same pass over K
+  that feeds the matmul, so the norm costs no extra read;
+- `silu_mul`: the input is [M, 2K] (gate | up) and silu(gate) * up is formed as it is loaded;
+  (these two prologues are folded at one row; at more rows they run as a kernel of their own)
+- `residual`: the output is added to `residual` (which may be the output buffer itself: each
+  program reads and writes only its own columns), and `bias` is added before it.
+
+A program owns BLOCK_N output columns of every row and walks K; one row (plain decode) reduces
+with FMAs, more rows use tensor-core dots over a 16-row tile. The tile sizes are chosen per
+shape by timing on first use (never while a CUDA graph is being captured). The PyTorch
+reference is `skinny_linear_ref`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,  # [M, K], or [M, 2K] (gate | up) with SILU_MUL
+    w_ptr,  # [N, K]
+    out_ptr,  # [M, N]
+    bias_ptr,  # [N] (any pointer without HAS_BIAS)
+    res_ptr,  # [M, N], may be out_ptr (any pointer without HAS_RES)
+    g_ptr,  # [K] norm weight (any pointer without NORM)
+    M, N, K,
+    stride_xm, stride_wn, stride_om, stride_rm,
+    eps,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    mask_n = rn < N
+    mask_m = rm < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        mask_k = ks < K
+        xm = mask_m[:, None] & mask_k[None, :]
+        if SILU_MUL:
+            gate = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+            x = gate / (1.0 + tl.exp(-gate)) * up  # [BLOCK_M, BLOCK_K]
+        else:
+            x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+        if NORM:
+            ss += tl.sum(x * x, axis=1)
+            g = tl.load(g_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
+            x = x * g[None, :]
+        if EVEN:
+            w = tl.load(w_rows + ks[None, :])  # [BLOCK_N, BLOCK_K]
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if BLOCK_M == 1:
+            acc += tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
+        else:
+            acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if NORM:
+        acc = acc * tl.rsqrt(ss / K + eps)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    om = mask_m[:, None] & mask_n[None, :]
+    if HAS_RES:
+        res = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=om, other=0.0)
+        acc += res.to(tl.float32)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=om)
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried per shape on the GPU. One row reduces with
+# FMAs, so narrow column tiles are allowed (more programs in flight for tall-K layers); the
+# tensor-core path needs tiles of at least 16.
+CONFIGS_ONE_ROW = ((4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 3),
+                   (16, 1024, 8, 2), (32, 256, 4, 4), (32, 512, 8, 3))
+CONFIGS_DOT = ((16, 256, 4, 4), (32, 256, 4, 4), (32, 512, 8, 3), (64, 256, 8, 3),
+               (64, 128, 4, 4), (128, 128, 8, 3))
+_INTERPRET_CONFIG = (32, 64, 4, 1)
+_CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def skinny_linear(
+    x: torch.Tensor,  # [M, K], or [M, 2K] with silu_mul
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    norm_weight: torch.Tensor | None = None,  # [K]
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,  # [M, N]; the result is written here when out is None
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # [M, N]
+    """linear(prologue(x), weight, bias) (+ residual, in place): see the module docstring."""
+    m = x.shape[0]
+    n, k = weight.shape
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, "rows must be contiguous"
+    assert 0 < m <= MAX_ROWS, f"{m} rows: skinny_linear serves 1..{MAX_ROWS}"
+    assert x.shape[1] == (2 * k if silu_mul else k), (tuple(x.shape), tuple(weight.shape))
+    assert not (silu_mul and norm_weight is not None), "one prologue at a time"
+    assert x.device == weight.device
+    if m > 1 and (norm_weight is not None or silu_mul):
+        # Folding the prologue into the tensor-core loop stalls its weight pipeline (measured
+        # 2x slower on an H200): past one row it runs as its own small kernel first.
+        from verify_kernels.fused_ops import rms_norm
+        from verify_kernels.fused_ops import silu_mul as silu_mul_
+
+        x = silu_mul_(x) if silu_mul else rms_norm(x, norm_weight, eps)
+        norm_weight, silu_mul = None, False
+    if norm_weight is not None:
+        assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    if residual is not None:
+        assert residual.shape == (m, n) and residual.stride(1) == 1
+        out = residual
+    else:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    block_m = 1 if m == 1 else 16
+    key = (block_m, n, k, x.dtype, weight.dtype, norm_weight is not None, silu_mul,
+           bias is not None, residual is not None)
+
+    def launch(cfg: tuple[int, int, int, int], o: torch.Tensor, r: torch.Tensor | None) -> None:
+        bn, bk, warps, stages = cfg
+        _skinny_kernel[(triton.cdiv(n, bn),)](
+            x, weight, o, bias if bias is not None else weight, r if r is not None else o,
+            norm_weight if norm_weight is not None else weight,
+            m, n, k, x.stride(0), weight.stride(0), o.stride(0),
+            r.stride(0) if r is not None else 0, eps,
+            NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+            HAS_RES=r is not None, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+            EVEN=n % bn == 0 and k % bk == 0,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=warps, num_stages=stages)
+
+    cfg = _CHOSEN.get(key)
+    if cfg is None:
+        configs = CONFIGS_ONE_ROW if block_m == 1 else CONFIGS_DOT
+        cfg = _tune(launch, configs, out, residual, x.device)
+        if cfg is None:  # capturing a CUDA graph: no timing now, and nothing remembered
+            cfg = configs[1]
+        else:
+            _CHOSEN[key] = cfg
+    launch(cfg, out, residual)
+    return out
+
+
+def _tune(launch, configs, out: torch.Tensor, residual: torch.Tensor | None,
+          device: torch.device):
+    """The fastest config, timed on scratch outputs (the residual must not accumulate), or None
+    while a CUDA graph is being captured."""
+    if _interpreting() or device.type != "cuda":
+        return _INTERPRET_CONFIG
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    from triton.testing import do_bench
+
+    scratch = torch.empty_like(out)
+    res = residual.clone() if residual is not None else None
+    best, best_t = configs[1], float("inf")
+    for cfg in configs:
+        try:
+            t = do_bench(lambda cfg=cfg: launch(cfg, scratch, res), warmup=5, rep=20)
+        except Exception:  # a config this GPU cannot fit (shared memory, registers)
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    return best
+
+
+def chosen_configs() -> dict[tuple, tuple[int, int, int, int]]:
+    return dict(_CHOSEN)
+
+
+def skinny_linear_ref(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_mul=False,
+                      residual=None, out_dtype=None):
+    """The same result with PyTorch ops, in float32 (residual left untouched)."""
+    xf = x.float()
+    if silu_mul:
+        gate, up = xf.chunk(2, dim=-1)
+        xf = torch.nn.functional.silu(gate) * up
+    if norm_weight is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    y = xf @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(residual.dtype if residual is not None else out_dtype or x.dtype)
+
+
+def fused_linear(
+    x: torch.Tensor,  # [M, K], or [M, 2K] with silu_mul
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """skinny_linear's contract at any row count: past MAX_ROWS the prologue and epilogue are
+    kernels of their own around cuBLAS, where a launch is small beside the matmul."""
+    if 0 < x.shape[0] <= MAX_ROWS:
+        return skinny_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
+                             silu_mul=silu_mul, residual=residual, out_dtype=out_dtype)
+    from verify_kernels.fused_ops import rms_norm
+    from verify_kernels.fused_ops import silu_mul as silu_mul_
+
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    if silu_mul:
+        x = silu_mul_(x)
+    y = torch.nn.functional.linear(x, weight, bias)
+    if residual is not None:
+        return residual.add_(y)
+    return y if out_dtype is None else y.to(out_dtype)
