@@ -51,16 +51,7 @@ class DraftTree:
 
     def ancestor_mask(self, b: int) -> torch.Tensor:
         """[1 + n, 1 + n] bool: row r may attend column c (root is row/column 0)."""
-        _, parents = self.seq(b)
-        n = len(parents)
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        mask[:, 0] = True
-        for i, p in enumerate(parents):
-            if p >= 0:
-                mask[i + 1] = mask[p + 1]
-            mask[i + 1, i + 1] = True
-        mask[0, 1:] = False
-        return mask
+        return ancestor_mask_of(self.seq(b)[1])
 
     @staticmethod
     def empty(num_seqs: int) -> DraftTree:
@@ -118,6 +109,18 @@ class DraftTree:
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
         return DraftTree(as_long(tokens), as_long(parents), as_long(depths), tuple(offsets),
                          draft_probs, stochastic)
+
+
+def ancestor_mask_of(parents: Sequence[int]) -> torch.Tensor:
+    """[1 + n, 1 + n] bool ancestor mask of one sequence's tree from its host parent list,
+    built as lists so that it costs one tensor construction."""
+    n = len(parents)
+    rows = [[True] + [False] * n]  # the root sees only itself
+    for i, p in enumerate(parents):
+        row = list(rows[p + 1])  # a node sees what its parent sees (the root if p == -1) ...
+        row[i + 1] = True  # ... and itself
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool)
 
 
 def _check_unique_siblings(tokens: Sequence[int], parents: Sequence[int]) -> None:

@@ -150,3 +150,8 @@ class BlockManager:
         """The KV slot of token `index` of a sequence (its block must be reserved)."""
         return seq.block_table[index // self.block_size] * self.block_size + (
             index % self.block_size)
+
+    def slots(self, seq: Sequence, start: int, count: int) -> list[int]:
+        """The KV slots of tokens start .. start + count - 1 (as `slot`, for a whole run)."""
+        bs, table = self.block_size, seq.block_table
+        return [table[i // bs] * bs + i % bs for i in range(start, start + count)]

@@ -90,38 +90,35 @@ def pack_step(
 ) -> tuple[int, list[int]]:
     """Write a step's padded inputs in `lay`'s layout; return (logits rows, row offsets)."""
     t, b, q, w = lay.tokens, lay.batch, lay.q, lay.width
-    ids, pos, slots = h64[0:t], h64[t:2 * t], h64[2 * t:3 * t]
-    ids[:] = 0
-    pos[:] = 0
-    slots[:] = -1
-    h64[3 * t:3 * t + b] = np.arange(b) * q * q if q > 1 else -1
-    rows = h64[lay.rows_at:lay.rows_at + t]
-    qstart, ctx = h32[0:b + 1], h32[b + 1:2 * b + 1]
-    seqlens, tables = h32[2 * b + 1:3 * b + 1], h32[3 * b + 1:lay.n32].reshape(b, w)
-    qstart[:] = np.arange(b + 1) * q
-    ctx[:] = 0
-    tables[:] = 0
-    mask = hmask[:lay.nmask].reshape(b, q, q) if q > 1 else None
-    if mask is not None:
-        mask[:] = np.eye(q, dtype=bool)
-    n_rows = 0
+    # Padded rows are assembled as host lists and written with one numpy call per buffer
+    # region: per-segment numpy calls cost more than the few ints of a decode step.
+    ids, pos, slots = [0] * t, [0] * t, [-1] * t
+    rows: list[int] = []
     offsets: list[int] = []
     for i, s in enumerate(segments):
-        n, r0 = len(s.tokens), i * q
+        r0, n = i * q, len(s.tokens)
         ids[r0:r0 + n] = s.tokens
         pos[r0:r0 + n] = s.positions
         slots[r0:r0 + n] = s.slots
-        ctx[i] = s.context_len
+        offsets.append(len(rows))
+        rows += [r0 + r for r in s.logits_rows]
+    mask_offs = list(range(0, b * q * q, q * q)) if q > 1 else [-1] * b
+    h64[0:3 * t + b] = ids + pos + slots + mask_offs
+    h64[lay.rows_at:lay.rows_at + len(rows)] = rows
+    ctx = [s.context_len for s in segments] + [0] * (b - len(segments))
+    h32[0:3 * b + 1] = list(range(0, (b + 1) * q, q)) + ctx + [c + q for c in ctx]
+    tables = h32[3 * b + 1:lay.n32].reshape(b, w)
+    tables[:] = 0
+    for i, s in enumerate(segments):
         tables[i, :len(s.block_table)] = s.block_table
-        if mask is not None:
+    if q > 1:
+        mask = hmask[:lay.nmask].reshape(b, q, q)
+        mask[:] = np.eye(q, dtype=bool)
+        for i, s in enumerate(segments):
+            n = len(s.tokens)
             mask[i, :n, :n] = (s.mask.numpy() if s.mask is not None
                                else np.tri(n, dtype=bool))
-        offsets.append(n_rows)
-        for r in s.logits_rows:
-            rows[n_rows] = r0 + r
-            n_rows += 1
-    seqlens[:] = ctx + q
-    return n_rows, offsets
+    return len(rows), offsets
 
 
 def padded_metadata(lay: Layout, d64: torch.Tensor, d32: torch.Tensor, dmask: torch.Tensor,
@@ -197,7 +194,9 @@ class GraphRunner:
         if q > block_q or programs >= self.sms:
             return 1
         longest = self.width * self.block_size
-        return max(1, min(-(-2 * self.sms // programs), longest // 512, 32))
+        # The kernel spreads the step's actual context over the splits, so plenty of splits
+        # cost little at short contexts and keep each program to about one tile at 1-2k.
+        return max(1, min(-(-2 * self.sms // programs), longest // 64, 32))
 
     def execute(self, segments: list[Any]):
         """The step's StepOutput through a graph, or None when the step must run eagerly."""

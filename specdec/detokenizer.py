@@ -55,13 +55,18 @@ class IncrementalDetokenizer:
 
     def _advance(self) -> None:
         """Extend `full` by the stable text of tokens since the read offset."""
-        all_ids = self.prefix_ids + self.ids
-        before = self._decode(all_ids[self._window:self._read])
-        after = self._decode(all_ids[self._window:])
+        total = len(self.prefix_ids) + len(self.ids)
+        before = self._decode(self._window_ids(self._window, self._read))
+        after = self._decode(self._window_ids(self._window, total))
         if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(
                 before):
             self.full += after[len(before):]
-            self._window, self._read = self._read, len(all_ids)
+            self._window, self._read = self._read, total
+
+    def _window_ids(self, start: int, stop: int) -> list[int]:
+        """(prefix_ids + ids)[start:stop], without copying the whole, growing, list."""
+        n = len(self.prefix_ids)
+        return self.prefix_ids[start:stop] + self.ids[max(0, start - n):max(0, stop - n)]
 
     def add(self, new_ids: list[int], final: bool = False) -> str:
         self.ids.extend(new_ids)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from drafters import DraftRequest, DraftTree, create_drafter, drafter_class
+from drafters.tree import ancestor_mask_of
 from specdec.block_manager import BlockManager
 from specdec.config import (
     CacheConfig,
@@ -24,7 +25,7 @@ from specdec.model_runner import ModelRunner, Segment
 from specdec.outputs import RequestOutput, SpecMetrics
 from specdec.sampler import RowContext
 from specdec.sampling_params import SamplingParams
-from specdec.scheduler import Scheduler, StepPlan
+from specdec.scheduler import ScheduledPrefill, Scheduler, StepPlan
 from specdec.sequence import Sequence
 from specdec.spec_control import Candidate, SpeculationController
 from specdec.step_results import apply_verified
@@ -229,77 +230,83 @@ class LLMEngine:
             tree: DraftTree = self._drafter(*key).propose(batch)
             self.spec_control.record_draft(key[0], max(r.k for r in batch),
                                            time.perf_counter() - t0)
+            # Whole-batch host copies: one conversion each, not one per sequence.
+            all_toks, all_pars = tree.tokens.tolist(), tree.parents.tolist()
+            stoch = tree.stochastic.tolist() if tree.draft_probs is not None else None
             for j, i in enumerate(idxs):
-                toks, pars = tree.seq(j)
                 s, e = tree.offsets[j], tree.offsets[j + 1]
+                m = plan.decodes[i].max_draft_nodes
                 probs = None
-                if tree.draft_probs is not None and bool(tree.stochastic[s:e].all()) and e > s:
-                    probs = tree.draft_probs[s:e]
-                trees[i] = (toks[:plan.decodes[i].max_draft_nodes],
-                            pars[:plan.decodes[i].max_draft_nodes],
-                            None if probs is None else probs[:plan.decodes[i].max_draft_nodes])
+                if stoch is not None and e > s and all(stoch[s:e]):
+                    probs = tree.draft_probs[s:e][:m]
+                trees[i] = (all_toks[s:e][:m], all_pars[s:e][:m], probs)
         return trees
 
     def _run(self, plan: StepPlan, trees) -> list[RequestOutput]:
         bm = self.blocks
         segs: list[Segment] = []
-        samplers: list[tuple[Sequence, int]] = []  # (seq, context length before the step)
-        tree_lists, tree_probs = [], []
         for p in plan.prefills:
             s, n = p.seq, p.num_tokens
             c = s.num_computed
-            segs.append(Segment(s.tokens[c:c + n], list(range(c, c + n)),
-                                [bm.slot(s, c + j) for j in range(n)], c, list(s.block_table),
+            segs.append(Segment(s.tokens[c:c + n], list(range(c, c + n)), bm.slots(s, c, n), c,
+                                list(s.block_table),
                                 logits_rows=(n - 1,) if p.completes else ()))
-        for d, (toks, pars, _) in zip(plan.decodes, trees):
-            s, c = d.seq, d.seq.num_computed
-            if toks:
-                tree = DraftTree.from_lists([(toks, pars)])
-                positions = [c] + [c + x for x in tree.depths.tolist()]
-                mask = tree.ancestor_mask(0)
-            else:
-                positions, mask = [c], None
-            segs.append(Segment([s.tokens[-1]] + toks, positions,
-                                [bm.slot(s, c + j) for j in range(1 + len(toks))], c,
-                                s.block_table, mask=mask,
-                                logits_rows=tuple(range(1 + len(toks)))))
+        # Every sampling sequence goes through verification: a completed prefill or a plain
+        # decode is a root with an empty tree. The batch tree is built (and validated) once.
+        completing = [p for p in plan.prefills if p.completes]
+        tree_lists = [([], [])] * len(completing) + [(toks, pars) for toks, pars, _ in trees]
+        tree = (DraftTree.from_lists(tree_lists, [None] * len(completing) + [
+            probs for _, _, probs in trees], self.runner.vocab_size)
+            if any(toks for toks, _, _ in trees) else DraftTree.empty(len(tree_lists)))
+        depths = tree.depths.tolist() if tree.num_nodes else []
+        for j, (d, (toks, pars, _)) in enumerate(zip(plan.decodes, trees)):
+            s, c, n = d.seq, d.seq.num_computed, len(toks)
+            o = tree.offsets[len(completing) + j]
+            segs.append(Segment([s.last_token] + toks, [c] + [c + x for x in depths[o:o + n]],
+                                bm.slots(s, c, 1 + n), c, s.block_table,
+                                mask=ancestor_mask_of(pars) if toks else None,
+                                logits_rows=tuple(range(1 + n))))
         capture = self._capture_layers(plan)
         out = self.runner.execute(segs, capture)
         if capture is not None:
             self._observe_prefills(plan, out)
 
-        # Every sampling sequence goes through verification: a completed prefill or a plain
-        # decode is a root with an empty tree.
+        samplers: list[tuple[Sequence, int]] = []  # (seq, context length before the step)
         rows_params: list[SamplingParams] = []
-        rows_ctx: list[RowContext] = []
         row_offsets: list[int] = []
         for i, p in enumerate(plan.prefills):
             if p.completes:
                 row_offsets.append(out.row_offsets[i])
                 samplers.append((p.seq, p.seq.num_computed))
-                tree_lists.append(([], []))
-                tree_probs.append(None)
                 rows_params.append(p.seq.params)
-                rows_ctx.append(RowContext(p.seq.prompt_token_ids, p.seq.output_token_ids))
-        for j, (d, (toks, pars, probs)) in enumerate(zip(plan.decodes, trees)):
-            s = d.seq
+        for j, (d, (toks, _, _)) in enumerate(zip(plan.decodes, trees)):
             row_offsets.append(out.row_offsets[len(plan.prefills) + j])
-            samplers.append((s, s.num_computed))
-            tree_lists.append((toks, pars))
-            tree_probs.append(probs)
-            rows_params += [s.params] * (1 + len(toks))
-            rows_ctx.append(RowContext(s.prompt_token_ids, s.output_token_ids))
-            for n in range(len(toks)):
-                path = _path(toks, pars, n)
-                rows_ctx.append(RowContext(s.prompt_token_ids, s.output_token_ids + path))
+            samplers.append((d.seq, d.seq.num_computed))
+            rows_params += [d.seq.params] * (1 + len(toks))
+        rows_ctx = (self._row_contexts(completing, plan, trees)
+                    if any(s.params.has_penalties for s, _ in samplers) else None)
         for p in plan.prefills:
             if not p.completes:
                 bm.commit(p.seq, p.seq.num_computed + p.num_tokens)
         if not samplers:
             return []
-        results = apply_verified(self, out, samplers, tree_lists, tree_probs, rows_params,
-                                 rows_ctx, row_offsets, plan)
-        return results
+        return apply_verified(self, out, samplers, tree_lists, tree, rows_params, rows_ctx,
+                              row_offsets, plan)
+
+    @staticmethod
+    def _row_contexts(completing: list[ScheduledPrefill], plan: StepPlan,
+                      trees) -> list[RowContext]:
+        """Per logits row, in sampling order: the tokens its penalties see (tree rows add the
+        draft path to their node)."""
+        rows_ctx = [RowContext(p.seq.prompt_token_ids, p.seq.output_token_ids)
+                    for p in completing]
+        for d, (toks, pars, _) in zip(plan.decodes, trees):
+            s = d.seq
+            rows_ctx.append(RowContext(s.prompt_token_ids, s.output_token_ids))
+            for n in range(len(toks)):
+                path = _path(toks, pars, n)
+                rows_ctx.append(RowContext(s.prompt_token_ids, s.output_token_ids + path))
+        return rows_ctx
 
     def _capture_layers(self, plan: StepPlan) -> tuple[int, ...] | None:
         """Union of target layers that this step's drafters need features from; None when

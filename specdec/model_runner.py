@@ -96,26 +96,25 @@ class ModelRunner:
                 masks.append(s.mask.reshape(-1))
                 moff += s.mask.numel()
         dev = self.device
+        b, t = len(segments), len(ids)
         width = max((len(s.block_table) for s in segments), default=1) or 1
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table))
-                               for s in segments], dtype=torch.int32)
         q_lens = tuple(len(s.tokens) for s in segments)
         ctx = tuple(s.context_len for s in segments)
+        # Two host tensors and two copies, whatever the batch: every field is a view of them.
+        i32 = starts + list(ctx) + [c + q for c, q in zip(ctx, q_lens)]
+        for s in segments:
+            i32 += s.block_table + [0] * (width - len(s.block_table))
+        d32 = torch.tensor(i32, dtype=torch.int32).to(dev)  # [3B + 1 + B * W]
+        d64 = torch.tensor(ids + pos + slots + mask_offsets, dtype=torch.long).to(dev)  # [3T + B]
         meta = AttentionMetadata(
-            query_start=torch.tensor(starts, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([c + q for c, q in zip(ctx, q_lens)], dtype=torch.int32,
-                                  device=dev),
-            block_tables=tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start=d32[0:b + 1], context_lens=d32[b + 1:2 * b + 1],
+            seq_lens=d32[2 * b + 1:3 * b + 1], block_tables=d32[3 * b + 1:].view(b, width),
+            slot_mapping=d64[2 * t:3 * t],
             custom_mask=torch.cat(masks).to(dev) if masks else None,
-            mask_offsets=torch.tensor(mask_offsets, dtype=torch.long, device=dev),
-            q_lens_host=q_lens, context_lens_host=ctx, mask_offsets_host=tuple(mask_offsets),
-            block_size=self.block_size,
+            mask_offsets=d64[3 * t:], q_lens_host=q_lens, context_lens_host=ctx,
+            mask_offsets_host=tuple(mask_offsets), block_size=self.block_size,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, meta
+        return d64[0:t], d64[t:2 * t], meta
 
     @torch.inference_mode()
     def execute(self, segments: list[Segment], capture_layers: tuple[int, ...] | None = None
@@ -135,8 +134,9 @@ class ModelRunner:
             offsets.append(len(rows))
             rows += [start + r for r in s.logits_rows]
             start += len(s.tokens)
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-        h = hidden.index_select(0, idx)
+        h = hidden  # every query row has logits (decodes, trees): no gather
+        if rows != list(range(start)):
+            h = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
         qoff = [0]
         for s in segments[:-1]:
             qoff.append(qoff[-1] + len(s.tokens))

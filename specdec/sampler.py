@@ -46,21 +46,34 @@ def apply_penalties(
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
+def greedy_tokens(
+    logits: torch.Tensor,  # [R, V] raw
+    params: Sequence[SamplingParams],
+    contexts: Sequence[RowContext] | None = None,
+) -> torch.Tensor:  # [R] int64
+    """The (penalised) argmax of every row: what a greedy row of `process_logits` is a one-hot
+    of, without building the [R, V] distribution."""
+    if contexts is not None and any(p.has_penalties for p in params):
+        logits = logits.float().clone()
+        apply_penalties(logits, params, contexts)
+    return logits.argmax(dim=-1)
+
+
 def process_logits(
     logits: torch.Tensor,  # [R, V] float32 raw
     params: Sequence[SamplingParams],
     contexts: Sequence[RowContext] | None = None,
 ) -> torch.Tensor:  # [R, V] float32 probabilities
-    logits = logits.float().clone()
+    logits = logits.float()  # never modified in place unless it is a penalised copy
     if contexts is not None and any(p.has_penalties for p in params):
+        logits = logits.clone()
         apply_penalties(logits, params, contexts)
     dev = logits.device
-    if all(p.greedy for p in params):  # the common case needs no softmax or sort
+    if all(p.greedy for p in params):  # the common case: no softmax or sort
         return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                          device=dev, dtype=torch.float32)
-    logits /= temps[:, None]
+    logits = logits / temps[:, None]
     needs_topk = any(0 < p.top_k < logits.shape[1] for p in params)
     needs_topp = any(p.top_p < 1.0 for p in params)
     if needs_topk or needs_topp:
@@ -71,7 +84,8 @@ def process_logits(
         cutoff = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         probs = torch.where(probs < cutoff, torch.zeros_like(probs), probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-    if bool(greedy.any()):
+    if any(p.greedy for p in params):  # decided on the host: no device synchronisation
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
         onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs

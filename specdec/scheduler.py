@@ -91,14 +91,16 @@ class Scheduler:
         draft_nodes = draft_nodes or {}
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
-        decoding = [s for s in self.running if not s.in_prefill]
-        prefilling = [s for s in self.running if s.in_prefill]
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for s in self.running:
+            (prefilling if s.in_prefill else decoding).append(s)
 
         # 1. Decodes. Speculation shares what is left of the budget after one token each, so
         #    it shrinks (down to plain decoding) as the batch grows.
         spare = max(0, budget - len(decoding))
-        wanted = {s.request_id: self._draft_room(s, draft_nodes.get(s.request_id, 0))
-                  for s in decoding}
+        wanted = {s.request_id: (self._draft_room(s, draft_nodes[s.request_id])
+                                 if s.request_id in draft_nodes else 0) for s in decoding}
         total_wanted = sum(wanted.values())
         scale = 1.0 if total_wanted <= spare else spare / total_wanted
         for seq in decoding:

@@ -9,7 +9,7 @@ import torch
 
 from drafters.tree import DraftTree
 from specdec.outputs import RequestOutput, SpecMetrics, TokenLogprob
-from specdec.sampler import RowContext, logprobs_of, process_logits
+from specdec.sampler import RowContext, greedy_tokens, logprobs_of, process_logits
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
 from specdec.verifier import verify_tree
@@ -25,57 +25,35 @@ def apply_verified(
     out: StepOutput,
     samplers: list[tuple[Sequence, int]],
     tree_lists: list[tuple[list[int], list[int]]],
-    tree_probs: list[torch.Tensor | None],
+    tree: DraftTree,  # tree_lists (with draft probabilities) as one batch
     rows_params: list[SamplingParams],
-    rows_ctx: list[RowContext],
+    rows_ctx: list[RowContext] | None,  # None: no row has penalties
     row_offsets: list[int],
     plan: StepPlan,
 ) -> list[RequestOutput]:
     dev = out.logits.device
     # The logits rows of completed prefills come first in `out`, then decodes: rows_params
-    # was built in the same order, so gather rows to match.
-    rows = []
-    for off, (toks, _) in zip(row_offsets, tree_lists):
-        rows += range(off, off + 1 + len(toks))
-    logits = out.logits[torch.tensor(rows, dtype=torch.long, device=dev)]  # [R, V]
-    probs = process_logits(logits, rows_params, rows_ctx)
-    tree = DraftTree.from_lists(tree_lists, tree_probs, engine.runner.vocab_size)
-    node_u: list[torch.Tensor] = []
-    bonus_u: list[float] = []
+    # was built in the same order, so gather rows to match (usually every row, in order).
+    rows: list[int] = []
     local_offsets: list[int] = []
-    r = 0
-    for (seq, _), (toks, _) in zip(samplers, tree_lists):
-        local_offsets.append(r)
-        r += 1 + len(toks)
-        if seq.params.greedy:
-            node_u.append(torch.zeros(len(toks)))
-            bonus_u.append(0.0)
-        else:
-            u = torch.rand(len(toks) + 1, generator=engine._gens[seq.request_id])
-            node_u.append(u[:-1])
-            bonus_u.append(float(u[-1]))
-    greedy = torch.tensor([s.params.greedy for s, _ in samplers], device=dev)
-    verify = verify_tree
-    if dev.type == "cuda":
-        from verify_kernels.acceptance import accept_tree as verify  # one launch for the batch
-    res = verify(probs, torch.tensor(local_offsets, dtype=torch.long, device=dev), tree,
-                 greedy, torch.cat(node_u).to(dev), torch.tensor(bonus_u, device=dev))
-    # The step's one host synchronisation: results come back together.
-    bsz, width = res.tokens.shape
-    packed = torch.cat([res.tokens.flatten(), res.num_tokens,
-                        res.accepted_nodes.flatten()]).tolist()
-    tokens_h = [packed[b * width:(b + 1) * width] for b in range(bsz)]
-    num_h = packed[bsz * width:bsz * width + bsz]
-    acc = packed[bsz * width + bsz:]
-    acc_h = [acc[b * (width - 1):(b + 1) * (width - 1)] for b in range(bsz)]
+    for off, (toks, _) in zip(row_offsets, tree_lists):
+        local_offsets.append(len(rows))
+        rows += range(off, off + 1 + len(toks))
+    logits = out.logits  # [R, V]
+    if rows != list(range(logits.shape[0])):
+        logits = logits[torch.tensor(rows, dtype=torch.long, device=dev)]
+    if all(s.params.greedy for s, _ in samplers):
+        new_h, acc_h = _verify_greedy(logits, rows_params, rows_ctx, tree_lists, local_offsets)
+    else:
+        new_h, acc_h = _verify_sampled(engine, logits, rows_params, rows_ctx, samplers, tree,
+                                       local_offsets)
     want_lp = [s.params.logprobs is not None for s, _ in samplers]
     lp_rows: list[int] = []
     lp_tokens: list[int] = []
     for b in range(len(samplers)):
         if want_lp[b]:
-            path_rows = [0] + [1 + a for a in acc_h[b][:num_h[b] - 1]]
-            lp_rows += [local_offsets[b] + pr for pr in path_rows]
-            lp_tokens += tokens_h[b][:num_h[b]]
+            lp_rows += [local_offsets[b]] + [local_offsets[b] + 1 + a for a in acc_h[b]]
+            lp_tokens += new_h[b]
     lp = None
     if lp_rows:
         top_n = max(s.params.logprobs or 0 for s, _ in samplers)
@@ -93,15 +71,14 @@ def apply_verified(
     now = time.monotonic()
     for b, (seq, ctx) in enumerate(samplers):
         toks, pars = tree_lists[b]
-        n = num_h[b]
-        new = tokens_h[b][:n]
-        accepted = acc_h[b][:n - 1]
+        new, accepted = new_h[b], acc_h[b]
+        n = len(new)
         is_decode = b >= num_prefills
         if is_decode and out.features is not None and engine.wants_features(seq):
             q0 = out.query_offsets[len(plan.prefills) + b - num_prefills]
             rows = torch.tensor([q0] + [q0 + 1 + a for a in accepted], device=dev)
             engine._drafter_of(seq).observe(
-                seq.request_id, ctx, [seq.tokens[-1]] + new[:len(accepted)],
+                seq.request_id, ctx, [seq.last_token] + new[:len(accepted)],
                 engine.features_for(out, engine._capture_layers(plan), seq, rows))
         if is_decode:
             # KV of the accepted path moves to consecutive positions after the root.
@@ -139,6 +116,81 @@ def apply_verified(
         outputs.append(engine._output(seq, kept, logprobs, finished=reason is not None))
     engine.runner.move_kv(src, dst)
     return outputs
+
+
+def _verify_greedy(
+    logits: torch.Tensor,  # [R, V] raw, each sequence's root row then its nodes' rows
+    rows_params: list[SamplingParams],
+    rows_ctx: list[RowContext] | None,
+    tree_lists: list[tuple[list[int], list[int]]],
+    local_offsets: list[int],
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Per sequence (emitted tokens, accepted local nodes) when every sequence is greedy.
+
+    The verifier's greedy rule needs only each row's argmax: a child is accepted iff its token
+    is the argmax at its parent, and the bonus is the argmax at the last accepted node. One
+    argmax over all rows and one copy to the host, then the walk down each tree is plain
+    Python, instead of the verifier's per-depth tensor loop."""
+    argmax = greedy_tokens(logits, rows_params, rows_ctx).tolist()  # the step's host sync
+    new_h: list[list[int]] = []
+    acc_h: list[list[int]] = []
+    for (toks, pars), r0 in zip(tree_lists, local_offsets):
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(pars):
+            kids.setdefault(p, []).append(i)
+        cur, accepted = -1, []
+        while True:
+            t = argmax[r0 + cur + 1]
+            nxt = next((i for i in kids.get(cur, ()) if toks[i] == t), None)
+            if nxt is None:
+                break
+            accepted.append(nxt)
+            cur = nxt
+        new_h.append([toks[i] for i in accepted] + [t])
+        acc_h.append(accepted)
+    return new_h, acc_h
+
+
+def _verify_sampled(
+    engine: LLMEngine,
+    logits: torch.Tensor,  # [R, V] raw
+    rows_params: list[SamplingParams],
+    rows_ctx: list[RowContext] | None,
+    samplers: list[tuple[Sequence, int]],
+    tree: DraftTree,
+    local_offsets: list[int],
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Per sequence (emitted tokens, accepted local nodes) through the tree verifier."""
+    dev = logits.device
+    probs = process_logits(logits, rows_params, rows_ctx)
+    # Uniforms per sequence from its own generator: one per node, then one for the bonus.
+    sizes = tree.sizes()
+    us = [torch.zeros(n + 1) if seq.params.greedy
+          else torch.rand(n + 1, generator=engine._gens[seq.request_id])
+          for (seq, _), n in zip(samplers, sizes)]
+    u = torch.cat(us)  # [R]
+    if tree.num_nodes:
+        bonus_at = [o + n for o, n in zip(local_offsets, sizes)]
+        is_node = torch.ones(len(u), dtype=torch.bool)
+        is_node[bonus_at] = False
+        node_u, bonus_u = u[is_node], u[~is_node]
+    else:
+        node_u, bonus_u = u[:0], u
+    greedy = torch.tensor([s.params.greedy for s, _ in samplers], device=dev)
+    verify = verify_tree
+    if dev.type == "cuda":
+        from verify_kernels.acceptance import accept_tree as verify  # one launch for the batch
+    res = verify(probs, torch.tensor(local_offsets, dtype=torch.long, device=dev), tree,
+                 greedy, node_u.to(dev), bonus_u.to(dev))
+    # The step's one host synchronisation: results come back together.
+    bsz, width = res.tokens.shape
+    packed = torch.cat([res.tokens.flatten(), res.num_tokens,
+                        res.accepted_nodes.flatten()]).tolist()
+    num_h = packed[bsz * width:bsz * width + bsz]
+    acc = packed[bsz * width + bsz:]
+    new_h = [packed[b * width:b * width + num_h[b]] for b in range(bsz)]
+    acc_h = [acc[b * (width - 1):b * (width - 1) + num_h[b] - 1] for b in range(bsz)]
+    return new_h, acc_h
 
 
 def _depths(parents: list[int]) -> list[int]:
