@@ -267,6 +267,8 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
     for batch in batches:
         low = min(100, vocab // 2)
         prompts = [torch.randint(low, vocab, (CTX,), generator=g).tolist() for _ in range(batch)]
+        # Untimed: the first steps at a new batch size capture graphs and tune kernel tiles.
+        run_requests(engine, prompts, {"method": "none"}, 8, f"warmplain{batch}")
         _, plain_rate, _ = run_requests(engine, prompts, {"method": "none"}, max_tokens,
                                         f"plain{batch}")
         row = {"plain_tokens_per_s": plain_rate}

@@ -131,17 +131,20 @@ def _decode_batch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) ->
     v = v_cache.index_select(0, tables).view(bsz, nb * bs, hkv, d)
     if bsz == 1:  # nothing to mask: cut the padding off instead
         k, v = k[:, :max_len], v[:, :max_len]
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    qg = q.view(bsz, hkv, g, d)  # [B, Hkv, g, D]
+    # Half-precision batched matmuls are slow on CPUs without native bf16/fp16 units: the
+    # small attention products run in float32 there (the KV rows are few; the weights are not).
+    work = torch.float32 if q.device.type == "cpu" else q.dtype
+    k, v = k.to(work), v.to(work)
+    qg = q.view(bsz, hkv, g, d).to(work)  # [B, Hkv, g, D]
     scores = torch.stack([torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)],
                          dim=1).float() * scale  # [B, Hkv, g, S]
     if bsz > 1:
         pad = torch.arange(k.shape[1], device=q.device)[None, :] >= meta.seq_lens[:, None].to(
             q.device)  # [B, S]
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, Hkv, g, S]
+    probs = torch.softmax(scores, dim=-1).to(work)  # [B, Hkv, g, S]
     o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(hkv)], dim=1)
-    return o.reshape(bsz, hq, d)  # [B, Hkv, g, D] -> [B, Hq, D]
+    return o.reshape(bsz, hq, d).to(q.dtype)  # [B, Hkv, g, D] -> [B, Hq, D]
 
 
 class TorchAttentionBackend:

@@ -1,4 +1,4 @@
-"""Float32 linear layers on the CPU at the row counts of decoding.
+"""Linear layers on the CPU (float32, bfloat16) at the row counts of decoding.
 
 At a few rows a linear layer only streams its weight, so it should run at the memory bandwidth.
 PyTorch's default CPU path does not: MKL's matrix-vector kernel runs on one thread, and a
@@ -6,7 +6,8 @@ small-M `x @ W^T` takes a slow path. The fastest alternative depends on the shap
 and the CPU (measured on the 2-core CI machine: oneDNN's kernel reads a single row's weights up to
 2.7x faster, `W @ x^T` wins at 2 to 16 rows for narrow layers), so each (row bucket, shape) is
 timed once on first use and the fastest candidate is kept, as oneDNN's and inductor's autotuners
-do. All candidates compute the same product in float32; only the summation order differs.
+do. All candidates compute the same product in the input's dtype; only the summation order
+differs.
 """
 
 from __future__ import annotations
@@ -77,12 +78,12 @@ def _fastest(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> str:
 
 
 def cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 @ w [N, K]^T (+ b [N]) -> [M, N] through the fastest kernel measured
-    for this shape; rows past 64 take PyTorch's default path."""
+    """x [M, K] @ w [N, K]^T (+ b [N]) -> [M, N] through the fastest kernel measured for this
+    shape and dtype; rows past 64 take PyTorch's default path."""
     bucket = _bucket(x.shape[0])
     if bucket is None or x.dim() != 2:
         return F.linear(x, w, b)
-    key = (bucket, w.shape[0], w.shape[1], b is not None, torch.get_num_threads())
+    key = (bucket, w.shape[0], w.shape[1], b is not None, x.dtype, torch.get_num_threads())
     name = _CHOICE.get(key)
     if name is None:
         name = _CHOICE[key] = _fastest(x, w, b)
@@ -90,5 +91,5 @@ def cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 
 def choices() -> dict[tuple[int, ...], str]:
-    """What was picked so far: (row bucket, N, K, has bias, threads) -> candidate."""
+    """What was picked so far: (row bucket, N, K, has bias, dtype, threads) -> candidate."""
     return dict(_CHOICE)

@@ -31,11 +31,11 @@ ARCHITECTURES: dict[str, ArchFlags] = {
 
 
 class Linear(nn.Linear):
-    """nn.Linear, except for float32 on the CPU at few rows, where the fastest of several
-    kernels is picked per shape (see cpu_linear.py)."""
+    """nn.Linear, except on the CPU (float32, bfloat16) at few rows, where the fastest of
+    several kernels is picked per shape (see cpu_linear.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32:
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             return cpu_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -49,10 +49,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; the same arithmetic as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Normalised in float32, rounded, then scaled in the model dtype (as HF checkpoints do).
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
