@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gpu_engine as ge
+import gpu_setup as gs
 
 
 def linear_bench(out: dict) -> None:
@@ -45,7 +45,7 @@ def linear_bench(out: dict) -> None:
             rows.append({"layer": name, "n": n, "k": k, "rows": m,
                          "cublas_us": t_cublas * 1e3, "skinny_us": t_ours * 1e3,
                          "cublas_tb_s": gb / t_cublas, "skinny_tb_s": gb / t_ours})
-            ge.log(f"{name} m={m}: cuBLAS {t_cublas * 1e3:.1f} us ({gb / t_cublas:.2f} TB/s), "
+            gs.log(f"{name} m={m}: cuBLAS {t_cublas * 1e3:.1f} us ({gb / t_cublas:.2f} TB/s), "
                    f"skinny {t_ours * 1e3:.1f} us ({gb / t_ours:.2f} TB/s)")
     out["linear"] = rows
     out["skinny_configs"] = {str(k): v for k, v in chosen_configs().items()}
@@ -63,9 +63,9 @@ def step_profile(out: dict) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     tmp = Path(tempfile.mkdtemp())
-    engine = ge.build_engine(ge.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton", 600)
+    engine = gs.build_engine(gs.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton", 600)
     engine.runner.kv.normal_()
-    segs = ge.step_segments(engine, 1, 1, ge.CTX)
+    segs = gs.step_segments(engine, 1, 1, gs.CTX)
     graphs, engine.runner.graphs = engine.runner.graphs, None
     for _ in range(3):
         engine.runner.execute(segs)
@@ -84,13 +84,13 @@ def step_profile(out: dict) -> None:
     out["eager_step_gpu_us_by_kernel"] = {k: {"us": round(v[0], 1), "launches": round(v[1], 1)}
                                           for k, v in sorted(fam.items(), key=lambda kv: -kv[1][0])}
     out["eager_step_gpu_busy_us"] = total
-    ge.log(f"eager step: {total:.0f} us of GPU time in {sum(v[1] for v in fam.values()):.0f} "
+    gs.log(f"eager step: {total:.0f} us of GPU time in {sum(v[1] for v in fam.values()):.0f} "
            "launches")
     for k, v in list(out["eager_step_gpu_us_by_kernel"].items())[:12]:
-        ge.log(f"  {k:40s} {v['us']:8.1f} us  {v['launches']:.0f} launches")
+        gs.log(f"  {k:40s} {v['us']:8.1f} us  {v['launches']:.0f} launches")
     engine.runner.graphs = graphs
-    out["graph_step_ms"] = ge.time_steps(engine, segs) * 1e3
-    ge.log(f"graphed step (runner.execute): {out['graph_step_ms']:.3f} ms")
+    out["graph_step_ms"] = gs.time_steps(engine, segs) * 1e3
+    gs.log(f"graphed step (runner.execute): {out['graph_step_ms']:.3f} ms")
 
 
 def main() -> None:
@@ -100,7 +100,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                 "note": ge.NOTE}
+                 "note": gs.NOTE}
     linear_bench(out)
     (out_dir / "gpu_step_profile.json").write_text(json.dumps(out, indent=1))
     step_profile(out)

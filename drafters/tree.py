@@ -76,17 +76,15 @@ class DraftTree:
         for toks, pars in trees:
             if len(toks) != len(pars):
                 raise ValueError("a draft tree needs one parent per node")
-            local_depth: list[int] = []
             for i, (t, p) in enumerate(zip(toks, pars)):
                 if not -1 <= p < i:
                     raise ValueError(f"node {i} has parent {p}: parents must come first")
                 if t < 0 or (vocab_size is not None and t >= vocab_size):
                     raise ValueError(f"draft token {t} outside the vocabulary")
-                local_depth.append(1 if p < 0 else local_depth[p] + 1)
             _check_unique_siblings(toks, pars)
             tokens += [int(t) for t in toks]
             parents += [int(p) for p in pars]
-            depths += local_depth
+            depths += depths_of(pars)
             offsets.append(len(tokens))
         draft_probs = stochastic = None
         if probs is not None and any(p is not None for p in probs):
@@ -109,6 +107,15 @@ class DraftTree:
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
         return DraftTree(as_long(tokens), as_long(parents), as_long(depths), tuple(offsets),
                          draft_probs, stochastic)
+
+
+def depths_of(parents: Sequence[int]) -> list[int]:
+    """Depth of each node of one sequence's tree (1 for the root's children), from its host
+    parent list (parents come before their children)."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
 
 
 def ancestor_mask_of(parents: Sequence[int]) -> torch.Tensor:

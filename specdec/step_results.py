@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from drafters.tree import DraftTree
+from drafters.tree import DraftTree, depths_of
 from specdec.outputs import RequestOutput, SpecMetrics, TokenLogprob
 from specdec.sampler import RowContext, greedy_tokens, logprobs_of, process_logits
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
-from specdec.verifier import verify_tree
+from specdec.verifier import verify_greedy_lists, verify_tree
 
 if TYPE_CHECKING:
     from specdec.engine import LLMEngine
@@ -90,7 +90,7 @@ def apply_verified(
         else:
             bm.commit(seq, seq.num_tokens)  # a completed prefill: every token has its KV
         if seq.request_id in engine._spec and is_decode:
-            depth = max(_depths(pars), default=0)
+            depth = max(depths_of(pars), default=0)
             _record(engine, seq, len(toks), len(accepted), n, depth)
         logprobs = None
         if want_lp[b] and lp is not None:
@@ -125,30 +125,10 @@ def _verify_greedy(
     tree_lists: list[tuple[list[int], list[int]]],
     local_offsets: list[int],
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Per sequence (emitted tokens, accepted local nodes) when every sequence is greedy.
-
-    The verifier's greedy rule needs only each row's argmax: a child is accepted iff its token
-    is the argmax at its parent, and the bonus is the argmax at the last accepted node. One
-    argmax over all rows and one copy to the host, then the walk down each tree is plain
-    Python, instead of the verifier's per-depth tensor loop."""
+    """Per sequence (emitted tokens, accepted local nodes) when every sequence is greedy: one
+    argmax over all rows, one copy to the host, then the verifier's greedy rule on lists."""
     argmax = greedy_tokens(logits, rows_params, rows_ctx).tolist()  # the step's host sync
-    new_h: list[list[int]] = []
-    acc_h: list[list[int]] = []
-    for (toks, pars), r0 in zip(tree_lists, local_offsets):
-        kids: dict[int, list[int]] = {}
-        for i, p in enumerate(pars):
-            kids.setdefault(p, []).append(i)
-        cur, accepted = -1, []
-        while True:
-            t = argmax[r0 + cur + 1]
-            nxt = next((i for i in kids.get(cur, ()) if toks[i] == t), None)
-            if nxt is None:
-                break
-            accepted.append(nxt)
-            cur = nxt
-        new_h.append([toks[i] for i in accepted] + [t])
-        acc_h.append(accepted)
-    return new_h, acc_h
+    return verify_greedy_lists(argmax, tree_lists, local_offsets)
 
 
 def _verify_sampled(
@@ -191,13 +171,6 @@ def _verify_sampled(
     new_h = [packed[b * width:b * width + num_h[b]] for b in range(bsz)]
     acc_h = [acc[b * (width - 1):b * (width - 1) + num_h[b] - 1] for b in range(bsz)]
     return new_h, acc_h
-
-
-def _depths(parents: list[int]) -> list[int]:
-    depths: list[int] = []
-    for p in parents:
-        depths.append(1 if p < 0 else depths[p] + 1)
-    return depths
 
 
 def _record(engine: LLMEngine, seq: Sequence, drafted: int, accepted: int, emitted: int,

@@ -143,3 +143,31 @@ def sample_inverse_cdf(
     target = (u * cdf[:, -1])[:, None]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return idx.clamp(max=probs.shape[-1] - 1)
+
+
+def verify_greedy_lists(
+    argmax: list[int],  # [R] each query row's (penalised) argmax, on the host
+    trees: list[tuple[list[int], list[int]]],  # per sequence (tokens, parents)
+    root_rows: list[int],  # per sequence, the row of its root in `argmax`
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The greedy rule above for a batch that is greedy throughout, on host lists: per
+    sequence (emitted tokens, accepted local node indices). It needs only each row's argmax,
+    so the step copies one int per row to the host instead of running `verify_tree`'s
+    per-depth loop (tests/test_verifier.py checks the two agree)."""
+    emitted: list[list[int]] = []
+    accepted_all: list[list[int]] = []
+    for (toks, pars), r0 in zip(trees, root_rows):
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(pars):
+            kids.setdefault(p, []).append(i)
+        cur, accepted = -1, []
+        while True:
+            best = argmax[r0 + cur + 1]  # the row of node `cur` (the root's row for -1)
+            nxt = next((i for i in kids.get(cur, ()) if toks[i] == best), None)
+            if nxt is None:
+                break
+            accepted.append(nxt)
+            cur = nxt
+        emitted.append([toks[i] for i in accepted] + [best])
+        accepted_all.append(accepted)
+    return emitted, accepted_all

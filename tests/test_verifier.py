@@ -118,6 +118,35 @@ def test_greedy_tree_takes_matching_second_sibling():
     assert res.num_tokens.tolist() == [3]
 
 
+def test_greedy_lists_agree_with_verify_tree():
+    """The host-list greedy rule (all-greedy batches) gives verify_tree's greedy result on
+    random ragged batches of random trees."""
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        trees, argmax, roots = [], [], []
+        for _ in range(int(torch.randint(1, 5, (1,), generator=g))):
+            n = int(torch.randint(0, 7, (1,), generator=g))
+            parents = [int(torch.randint(-1, i, (1,), generator=g)) for i in range(n)]
+            tokens = [int(t) for t in torch.randperm(V, generator=g)[:n]]
+            roots.append(len(argmax))
+            argmax += [int(torch.randint(0, V, (1,), generator=g)) for _ in range(n + 1)]
+            trees.append((tokens, parents))
+        # Steer some rows onto a child's token so that paths get accepted.
+        for (tokens, parents), r0 in zip(trees, roots):
+            for i, p in enumerate(parents):
+                if torch.rand(1, generator=g) < 0.6:
+                    argmax[r0 + p + 1] = tokens[i]
+        tree = DraftTree.from_lists(trees, None, V)
+        ones = torch.ones(len(trees), dtype=torch.bool)
+        res = verify_tree(greedy_rows(argmax), torch.tensor(roots), tree, ones,
+                          torch.zeros(tree.num_nodes), torch.zeros(len(trees)))
+        emitted, accepted = verifier.verify_greedy_lists(argmax, trees, roots)
+        for b in range(len(trees)):
+            k = int(res.num_tokens[b])
+            assert emitted[b] == res.tokens[b, :k].tolist()
+            assert accepted[b] == res.accepted_nodes[b, :k - 1].tolist()
+
+
 def test_greedy_ignores_uniforms():
     rows = greedy_rows([3, 5, 2, 6])
     tree = DraftTree.from_lists([chain([3, 5, 1])] * 2, vocab_size=V)
