@@ -241,6 +241,15 @@ def main() -> None:
             res["decode_b1_engine_tokens_per_s"] = r
             res["decode_b1_engine_fraction_of_roofline"] = r * floor
             log(f"{name}: engine decode b1 {r:.1f} tok/s = {r * floor:.0%} of roofline")
+            # The same without overlapped decoding (specdec/overlap.py): each step read back
+            # before the next is launched.
+            engine.pipeline.enabled = False
+            _, r0, _ = run_requests(engine, [prompt], {"method": "none"}, args.max_tokens,
+                                    "dec-sync")
+            engine.pipeline.enabled = True
+            res["decode_b1_engine_no_overlap_tokens_per_s"] = r0
+            log(f"{name}: engine decode b1 without overlap {r0:.1f} tok/s = "
+                f"{r0 * floor:.0%} of roofline")
             save()
             sb = (1, 16) if mi == 0 else (1,)
             taus = (2, 3, 4, 5) if mi == 0 else (3,)
@@ -269,6 +278,7 @@ def print_table(report: dict) -> None:
         print(f"-- {name}")
         for k in ("decode_b1_roofline_tokens_per_s", "decode_b1_runner_step_fraction_of_roofline",
                   "decode_b1_engine_tokens_per_s", "decode_b1_engine_fraction_of_roofline",
+                  "decode_b1_engine_no_overlap_tokens_per_s",
                   "eager_decode_step_ms_b1", "graph_vs_eager_logits_max_abs_diff",
                   "transformers_generate_b1_tokens_per_s"):
             if k in r:

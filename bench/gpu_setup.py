@@ -173,3 +173,36 @@ def time_steps(engine, segs, iters: int = 20) -> float:
     b.record()
     b.synchronize()
     return a.elapsed_time(b) / 1e3 / iters
+
+
+def check_pdl() -> bool:
+    """True if kernels launched with programmatic dependent launch give, inside a CUDA graph,
+    exactly what they give eagerly (a chain of dependent skinny matmuls and a norm)."""
+    from verify_kernels import pdl
+    from verify_kernels.fused_ops import rms_norm
+    from verify_kernels.skinny_gemm import skinny_linear
+
+    if not pdl.use_pdl(torch.device("cuda")):
+        log("programmatic dependent launch: off on this device")
+        return False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g) / 64
+    nw = torch.rand(4096, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def chain() -> torch.Tensor:
+        y = skinny_linear(x, w, norm_weight=nw)
+        y = skinny_linear(rms_norm(y, nw, 1e-5), w, residual=y.clone())
+        return skinny_linear(y, w, norm_weight=nw)
+
+    want = chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    same = bool(torch.equal(got, want))
+    log(f"programmatic dependent launch in a CUDA graph: {'exact' if same else 'MISMATCH'}")
+    return same

@@ -59,13 +59,10 @@ def family(name: str) -> str:
     return name[:40]
 
 
-def step_profile(out: dict) -> None:
+def kernel_profile(engine, segs, out: dict, tag: str) -> None:
+    """GPU time per kernel family of one eager step (the graph runner set aside)."""
     from torch.profiler import ProfilerActivity, profile
 
-    tmp = Path(tempfile.mkdtemp())
-    engine = gs.build_engine(gs.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton", 600)
-    engine.runner.kv.normal_()
-    segs = gs.step_segments(engine, 1, 1, gs.CTX)
     graphs, engine.runner.graphs = engine.runner.graphs, None
     for _ in range(3):
         engine.runner.execute(segs)
@@ -81,16 +78,50 @@ def step_profile(out: dict) -> None:
             f[0] += e.device_time / 5
             f[1] += 1 / 5
     total = sum(v[0] for v in fam.values())
-    out["eager_step_gpu_us_by_kernel"] = {k: {"us": round(v[0], 1), "launches": round(v[1], 1)}
-                                          for k, v in sorted(fam.items(), key=lambda kv: -kv[1][0])}
-    out["eager_step_gpu_busy_us"] = total
-    gs.log(f"eager step: {total:.0f} us of GPU time in {sum(v[1] for v in fam.values()):.0f} "
-           "launches")
-    for k, v in list(out["eager_step_gpu_us_by_kernel"].items())[:12]:
+    by = {k: {"us": round(v[0], 1), "launches": round(v[1], 1)}
+          for k, v in sorted(fam.items(), key=lambda kv: -kv[1][0])}
+    out[f"eager_step_gpu_us_by_kernel{tag}"] = by
+    out[f"eager_step_gpu_busy_us{tag}"] = total
+    gs.log(f"eager step{tag}: {total:.0f} us of GPU time in "
+           f"{sum(v[1] for v in fam.values()):.0f} launches")
+    for k, v in list(by.items())[:12]:
         gs.log(f"  {k:40s} {v['us']:8.1f} us  {v['launches']:.0f} launches")
     engine.runner.graphs = graphs
+
+
+def graphed(engine, rows: int) -> float:
+    """Graphed step time in ms at batch 1 after re-capturing (kernel settings changed)."""
+    engine.runner.graphs.graphs.clear()
+    return gs.time_steps(engine, gs.step_segments(engine, 1, rows, gs.CTX), iters=40) * 1e3
+
+
+def step_profile(out: dict) -> None:
+    from verify_kernels import pdl, skinny_gemm
+
+    tmp = Path(tempfile.mkdtemp())
+    engine = gs.build_engine(gs.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton", 600)
+    engine.runner.kv.normal_()
+    segs = gs.step_segments(engine, 1, 1, gs.CTX)
+    kernel_profile(engine, segs, out, "")
+    kernel_profile(engine, gs.step_segments(engine, 1, 8, gs.CTX), out, "_8_rows")
     out["graph_step_ms"] = gs.time_steps(engine, segs) * 1e3
     gs.log(f"graphed step (runner.execute): {out['graph_step_ms']:.3f} ms")
+    # A/B in one process, alternated: programmatic dependent launch on and off, and the
+    # multi-row prologue folded into the tensor-core loop or run as its own kernel.
+    ab: dict = {}
+    for rnd in range(2):
+        for on in (True, False):
+            pdl.ENABLED = on
+            for rows in (1, 8):
+                ab.setdefault(f"pdl_{on}_rows_{rows}_ms", []).append(graphed(engine, rows))
+        pdl.ENABLED = None
+        skinny_gemm.FOLD_PROLOGUE_ROWS = 16
+        ab.setdefault("fold_prologue_rows_8_ms", []).append(graphed(engine, 8))
+        skinny_gemm.FOLD_PROLOGUE_ROWS = 1
+        ab.setdefault("separate_prologue_rows_8_ms", []).append(graphed(engine, 8))
+        gs.log(f"A/B round {rnd}: " + " ".join(f"{k}={v[-1]:.3f}" for k, v in ab.items()))
+    out["graph_step_ab_ms"] = ab
+    engine.runner.graphs.graphs.clear()
 
 
 def main() -> None:

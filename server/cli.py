@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep every request's draft length fixed instead of letting the engine "
                         "shrink it (down to plain decoding) when measured costs say it does "
                         "not pay")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="read every decode step back before launching the next (overlap is on "
+                        "by default on CUDA for plain greedy decoding)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -71,6 +74,8 @@ def _parse_value(text: str) -> Any:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"model": args.model, "speculative": speculative_from_args(args),
                           "adaptive_speculation": not args.no_adaptive_speculation}
+    if args.no_overlap:
+        kw["overlap"] = False
     for name in ("dtype", "device", "max_num_seqs", "max_model_len"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

@@ -117,10 +117,11 @@ class BlockManager:
             seq.block_table.append(self._take())
         return True
 
-    def commit(self, seq: Sequence, num_computed: int) -> None:
-        """The sequence's first `num_computed` tokens now have their KV in place."""
+    def commit(self, seq: Sequence, num_computed: int, in_flight: int = 0) -> None:
+        """The sequence's first `num_computed` tokens now have their KV in place; blocks past
+        them are released, except those of `in_flight` more slots a launched step writes."""
         seq.num_computed = num_computed
-        keep = -(-num_computed // self.block_size)
+        keep = -(-(num_computed + in_flight) // self.block_size)
         while len(seq.block_table) > keep:
             self._release(seq.block_table.pop())
         if self.enable_prefix_caching:

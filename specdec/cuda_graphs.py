@@ -198,8 +198,9 @@ class GraphRunner:
         # cost little at short contexts and keep each program to about one tile at 1-2k.
         return max(1, min(-(-2 * self.sms // programs), longest // 64, 32))
 
-    def execute(self, segments: list[Any]):
-        """The step's StepOutput through a graph, or None when the step must run eagerly."""
+    def execute(self, segments: list[Any], token_source: torch.Tensor | None = None):
+        """The step's StepOutput through a graph, or None when the step must run eagerly.
+        `token_source`: see ModelRunner.execute."""
         from specdec.model_runner import StepOutput
 
         key = pick_bucket(segments, self.width, self.block_size)
@@ -215,6 +216,9 @@ class GraphRunner:
         if lay.nmask:
             self.dmask[:lay.nmask].copy_(self.hmask[:lay.nmask], non_blocking=True)
         self._copied.record()
+        if token_source is not None:
+            assert lay.q == 1, "token_source needs one-row segments"
+            self.d64[:len(segments)].copy_(token_source)  # after the staged ids, same stream
         if key not in self.graphs:
             self._capture(lay)
         graph, hidden = self.graphs[key]

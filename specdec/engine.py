@@ -23,6 +23,7 @@ from specdec.config import (
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.model_runner import ModelRunner, Segment
 from specdec.outputs import RequestOutput, SpecMetrics
+from specdec.overlap import DecodePipeline
 from specdec.sampler import RowContext
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledPrefill, Scheduler, StepPlan
@@ -61,6 +62,9 @@ class LLMEngine:
         self.adaptive_default = adaptive_speculation
         self.spec_control = SpeculationController()
         self._depth: dict[str, int] = {}  # this step's chosen draft depth per request
+        overlap = config.scheduler.overlap
+        self.pipeline = DecodePipeline(self.runner.device.type == "cuda" if overlap is None
+                                       else overlap)
 
     @staticmethod
     def from_args(model: str, dtype: str = "float32", device: str = "cpu",
@@ -70,8 +74,8 @@ class LLMEngine:
         cc_kw = {k: kw.pop(k) for k in ("block_size", "num_blocks", "cpu_kv_bytes",
                                         "gpu_memory_utilization", "enable_prefix_caching")
                  if k in kw}
-        sc_kw = {k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_waiting")
-                 if k in kw}
+        sc_kw = {k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_waiting",
+                                        "overlap") if k in kw}
         backend = kw.pop("attention_backend", "auto")
         adaptive = bool(kw.pop("adaptive_speculation", False))
         seed = kw.pop("seed", 0)
@@ -169,8 +173,13 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs = [self._finish(seq, "abort") for seq in list(self.seqs.values())
-                   if seq.aborted]
+        outputs: list[RequestOutput] = []
+        if self.pipeline.in_flight is not None:  # see specdec/overlap.py
+            if self.pipeline.can_chain(self):
+                return self.pipeline.chain(self)
+            outputs = self.pipeline.drain(self)
+        outputs += [self._finish(seq, "abort") for seq in list(self.seqs.values())
+                    if seq.aborted]
         self._depth = self._choose_depths()
         want = {rid: self._drafter_of(self.seqs[rid]).max_nodes(k, self.seqs[rid].spec_options)
                 for rid, k in self._depth.items() if k > 0}
@@ -182,7 +191,8 @@ class LLMEngine:
         trees = self._propose(plan)
         t0 = time.perf_counter()
         results = self._run(plan, trees)
-        self.spec_control.record_pass(plan.num_tokens, time.perf_counter() - t0)
+        if self.pipeline.in_flight is None:  # a step left in flight has only been launched
+            self.spec_control.record_pass(plan.num_tokens, time.perf_counter() - t0)
         return outputs + results
 
     def _choose_depths(self) -> dict[str, int]:
@@ -267,6 +277,10 @@ class LLMEngine:
                                 mask=ancestor_mask_of(pars) if toks else None,
                                 logits_rows=tuple(range(1 + n))))
         capture = self._capture_layers(plan)
+        if self.pipeline.enabled and self.pipeline.qualifies(plan, trees, capture):
+            self.pipeline.launch(self, [d.seq for d in plan.decodes],
+                                 [d.seq.num_computed for d in plan.decodes], segs)
+            return []  # read back by the next step
         out = self.runner.execute(segs, capture)
         if capture is not None:
             self._observe_prefills(plan, out)

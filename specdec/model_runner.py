@@ -117,13 +117,18 @@ class ModelRunner:
         return d64[0:t], d64[t:2 * t], meta
 
     @torch.inference_mode()
-    def execute(self, segments: list[Segment], capture_layers: tuple[int, ...] | None = None
-                ) -> StepOutput:
+    def execute(self, segments: list[Segment], capture_layers: tuple[int, ...] | None = None,
+                token_source: torch.Tensor | None = None) -> StepOutput:
+        """`token_source`: [len(segments)] device tokens that replace the tokens of one-row
+        segments (the previous step's argmax, not yet on the host: specdec.overlap)."""
         if self.graphs is not None and capture_layers is None:  # CUDA graphs (see __init__)
-            out = self.graphs.execute(segments)
+            out = self.graphs.execute(segments, token_source)
             if out is not None:
                 return out
         input_ids, positions, meta = self.build_inputs(segments)
+        if token_source is not None:
+            assert input_ids.shape == token_source.shape, "token_source needs one-row segments"
+            input_ids.copy_(token_source)
         hidden, captured = self.model(input_ids, positions, meta, self.kv, self.backend,
                                       capture_layers or ())
         features = None if capture_layers is None else torch.cat(captured + [hidden], dim=-1)

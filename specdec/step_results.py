@@ -99,23 +99,30 @@ def apply_verified(
                                      dict(zip(lp[2][lp_cursor + i][:k], lp[1][lp_cursor + i][:k])))
                         for i, t in enumerate(new)]
             lp_cursor += n
-        kept, reason = finish_check(engine, seq, new)
-        if logprobs is not None:
-            logprobs = logprobs[:len(kept)]
-        seq.output_token_ids += kept
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if seq.spec_method != "none" and reason is None:
-            engine._drafter_of(seq).accepted(seq.request_id, seq.num_tokens, kept)
-        if reason is None and seq.num_tokens >= engine.max_model_len:
-            reason = "length"
-        if reason is not None:
-            seq.finish_reason = reason
-            engine.scheduler.finish(seq)
-            engine._release_drafter(seq)
-        outputs.append(engine._output(seq, kept, logprobs, finished=reason is not None))
+        outputs.append(settle(engine, seq, new, logprobs, now))
     engine.runner.move_kv(src, dst)
     return outputs
+
+
+def settle(engine: LLMEngine, seq: Sequence, new: list[int], logprobs: list | None,
+           now: float) -> RequestOutput:
+    """Append a sequence's new tokens (whose KV is committed), up to its first stop condition;
+    finish it if one was met; return its output."""
+    kept, reason = finish_check(engine, seq, new)
+    if logprobs is not None:
+        logprobs = logprobs[:len(kept)]
+    seq.output_token_ids += kept
+    if seq.first_token_time is None:
+        seq.first_token_time = now
+    if seq.spec_method != "none" and reason is None:
+        engine._drafter_of(seq).accepted(seq.request_id, seq.num_tokens, kept)
+    if reason is None and seq.num_tokens >= engine.max_model_len:
+        reason = "length"
+    if reason is not None:
+        seq.finish_reason = reason
+        engine.scheduler.finish(seq)
+        engine._release_drafter(seq)
+    return engine._output(seq, kept, logprobs, finished=reason is not None)
 
 
 def _verify_greedy(
