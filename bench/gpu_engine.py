@@ -256,6 +256,7 @@ def main() -> None:
             speculative(engine, res, sb, taus, k=7, tree_branches=2, max_tokens=args.max_tokens)
             save()
         if engine.runner.graphs is not None:
+            res["graph_tuning"] = {str(k): v for k, v in engine.runner.graphs.tuned.items()}
             res["graph_buckets_captured"] = sorted(map(list, engine.runner.graphs.graphs))
         del engine, m
         torch.cuda.empty_cache()

@@ -182,8 +182,10 @@ def check_pdl() -> bool:
     from verify_kernels.fused_ops import rms_norm
     from verify_kernels.skinny_gemm import skinny_linear
 
+    pdl.ENABLED, was = True, pdl.ENABLED
     if not pdl.use_pdl(torch.device("cuda")):
-        log("programmatic dependent launch: off on this device")
+        log("programmatic dependent launch: not available on this device")
+        pdl.ENABLED = was
         return False
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g) / 64
@@ -204,5 +206,6 @@ def check_pdl() -> bool:
         graph.replay()
     torch.cuda.synchronize()
     same = bool(torch.equal(got, want))
+    pdl.ENABLED = was
     log(f"programmatic dependent launch in a CUDA graph: {'exact' if same else 'MISMATCH'}")
     return same

@@ -104,24 +104,45 @@ def step_profile(out: dict) -> None:
     segs = gs.step_segments(engine, 1, 1, gs.CTX)
     kernel_profile(engine, segs, out, "")
     kernel_profile(engine, gs.step_segments(engine, 1, 8, gs.CTX), out, "_8_rows")
-    out["graph_step_ms"] = gs.time_steps(engine, segs) * 1e3
-    gs.log(f"graphed step (runner.execute): {out['graph_step_ms']:.3f} ms")
-    # A/B in one process, alternated: programmatic dependent launch on and off, and the
-    # multi-row prologue folded into the tensor-core loop or run as its own kernel.
+    gr = engine.runner.graphs
+    for rows in (1, 8):
+        out[f"graph_step_ms_rows_{rows}"] = gs.time_steps(
+            engine, gs.step_segments(engine, 1, rows, gs.CTX), iters=40) * 1e3
+        gs.log(f"graphed step, {rows} rows (runner.execute): "
+               f"{out[f'graph_step_ms_rows_{rows}']:.3f} ms")
+    out["graph_tuning"] = {str(k): v for k, v in gr.tuned.items()}
+    gs.log(f"in-graph tile tuning: {gr.tuned}")
+    # How much the tile choice moves from one tuning to the next: forget every choice, tune
+    # again (alone, then in the graph), time again.
+    for trial in range(2):
+        skinny_gemm._CHOSEN.clear()
+        skinny_gemm._RAN.clear()
+        for rows in (1, 8):
+            out.setdefault(f"retuned_graph_step_ms_rows_{rows}", []).append(graphed(engine, rows))
+        gs.log(f"retuned {trial}: {gr.tuned}")
+    # A/B in one process, alternated, tiles fixed: programmatic dependent launch on and off.
+    gr.tune = False
     ab: dict = {}
     for rnd in range(2):
         for on in (True, False):
             pdl.ENABLED = on
             for rows in (1, 8):
                 ab.setdefault(f"pdl_{on}_rows_{rows}_ms", []).append(graphed(engine, rows))
-        pdl.ENABLED = None
-        skinny_gemm.FOLD_PROLOGUE_ROWS = 16
-        ab.setdefault("fold_prologue_rows_8_ms", []).append(graphed(engine, 8))
-        skinny_gemm.FOLD_PROLOGUE_ROWS = 1
-        ab.setdefault("separate_prologue_rows_8_ms", []).append(graphed(engine, 8))
         gs.log(f"A/B round {rnd}: " + " ".join(f"{k}={v[-1]:.3f}" for k, v in ab.items()))
-    out["graph_step_ab_ms"] = ab
-    engine.runner.graphs.graphs.clear()
+    pdl.ENABLED = False
+    out["graph_step_pdl_ab_ms"] = ab
+    # Split-KV partitions of the batch-1 attention at this context (the graph runner's choice is
+    # sized for the longest context a bucket may see).
+    default = gr.num_splits(1, 1)
+    splits: dict = {"default": default}
+    for s in (8, 16, 32, 64):
+        gr.num_splits = lambda b, q, s=s: s
+        splits[str(s)] = graphed(engine, 1)
+    del gr.num_splits
+    out["graph_step_ms_by_attention_splits"] = splits
+    gs.log(f"step ms by attention splits: {splits}")
+    gr.tune = True
+    gr.graphs.clear()
 
 
 def main() -> None:

@@ -15,10 +15,17 @@ Padding, and why it is harmless:
 
 Steps outside the buckets (long prefill chunks, more sequences than the largest bucket, steps
 that capture hidden layers) run eagerly: `execute` returns None for them.
+
+Tile sizes of the step's few-row matmuls are first chosen per kernel, timed alone (cold, with
+no neighbours); a tile that wins alone does not always win between the step's other kernels.
+So on a bucket's first capture each matmul's tiles are re-chosen by timing the whole captured
+step with every candidate, one matmul at a time, keeping a change only when the step gets
+faster (`tune`, on unless SPECDEC_TUNE_GRAPHS=0; about a second or two per bucket).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,6 +192,8 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
         self.eager_steps = 0
+        self.tune = os.environ.get("SPECDEC_TUNE_GRAPHS", "1") != "0"
+        self.tuned: dict[tuple[int, int], dict] = {}  # per bucket: step ms before/after, trials
 
     def num_splits(self, b: int, q: int) -> int:
         """Split-KV partitions for a bucket, sized for the longest context it may see."""
@@ -235,11 +244,53 @@ class GraphRunner:
         return hidden
 
     def _capture(self, lay: Layout) -> None:
+        from verify_kernels import skinny_gemm
+
         # The staged inputs are the current step's, so the warm-up (which compiles the kernels)
-        # writes the same KV the replay writes again: the step stays exact.
-        self._forward(lay)
+        # and every timed replay write the same KV slots that the step's own replay then
+        # writes last: the step stays exact.
+        with skinny_gemm.recording_keys() as keys:
+            self._forward(lay)
+        graph, hidden = self._graph(lay)
+        if self.tune and keys:
+            graph, hidden = self._tune_in_graph(lay, keys, graph, hidden)
+        self.graphs[(lay.batch, lay.q)] = (graph, hidden)
+
+    def _graph(self, lay: Layout) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             hidden = self._forward(lay)
-        self.graphs[(lay.batch, lay.q)] = (graph, hidden)
+        return graph, hidden
+
+    def _replay_ms(self, graph: torch.cuda.CUDAGraph, reps: int = 8) -> float:
+        graph.replay()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / reps
+
+    def _tune_in_graph(self, lay: Layout, keys: list[tuple], graph: torch.cuda.CUDAGraph,
+                       hidden: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        from verify_kernels import skinny_gemm
+
+        first = best = self._replay_ms(graph)
+        trials = 0
+        for key in keys:
+            kept = skinny_gemm.config_of(key)
+            for cfg in skinny_gemm.candidates(key):
+                if cfg == kept:
+                    continue
+                skinny_gemm.set_config(key, cfg)
+                g, h = self._graph(lay)
+                t = self._replay_ms(g)
+                trials += 1
+                if t < best * 0.997:  # past replay noise
+                    best, kept, graph, hidden = t, cfg, g, h
+            skinny_gemm.set_config(key, kept)
+        self.tuned[(lay.batch, lay.q)] = {"step_ms_alone_tuned": first, "step_ms": best,
+                                          "trials": trials}
+        return graph, hidden

@@ -128,3 +128,22 @@ def test_fused_model_equals_eager(tiny_llama, rows):
     eager, fused = run(False), run(True)
     torch.testing.assert_close(fused[0], eager[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fused[1], eager[1], atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_tile_choice_hooks():
+    """What the graph runner's in-graph tuning relies on: keys of the calls made inside
+    `recording_keys`, in order and once each, with the configs that ran for them."""
+    from verify_kernels import skinny_gemm
+
+    w1, w2 = torch.randn(48, 64), torch.randn(40, 48)
+    with skinny_gemm.recording_keys() as keys:
+        y = skinny_linear(torch.randn(3, 64), w1)
+        skinny_linear(y, w2)
+        skinny_linear(torch.randn(3, 64), w1)
+    assert len(keys) == 2 and keys[0][:3] == (4, 48, 64) and keys[1][:3] == (4, 40, 48)
+    cands = skinny_gemm.candidates(keys[0])
+    assert cands and skinny_gemm.config_of(keys[0]) == cands[0]
+    skinny_gemm.set_config(keys[0], cands[-1])
+    assert skinny_gemm.config_of(keys[0]) == cands[-1]
+    torch.testing.assert_close(skinny_linear(torch.ones(3, 64), w1),
+                               skinny_linear_ref(torch.ones(3, 64), w1))

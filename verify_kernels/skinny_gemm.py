@@ -15,13 +15,16 @@ nothing else. This kernel folds them into the matmul:
 
 A program owns BLOCK_N output columns of every row and walks K; one row (plain decode) reduces
 with FMAs, more rows use tensor-core dots over a 16-row tile. The tile sizes are chosen per
-shape by timing on first use (never while a CUDA graph is being captured). The PyTorch
-reference is `skinny_linear_ref`.
+shape and row count by timing on first use (never while a CUDA graph is being captured); the
+graph runner may then re-choose them by timing the whole captured step (`recording_keys`,
+`candidates`, `set_config`). The PyTorch reference is `skinny_linear_ref`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -30,9 +33,6 @@ import triton.language as tl
 from verify_kernels.pdl import pdl_args
 
 MAX_ROWS = 16
-# Up to this many rows the norm / SiLU-and-multiply prologue runs inside the matmul (see
-# skinny_linear); a module setting so benchmarks can compare.
-FOLD_PROLOGUE_ROWS = 1
 
 
 @triton.jit
@@ -106,6 +106,8 @@ CONFIGS_DOT = ((16, 256, 4, 4), (32, 256, 4, 4), (32, 512, 8, 3), (64, 256, 8, 3
                (64, 128, 4, 4), (128, 128, 8, 3))
 _INTERPRET_CONFIG = (32, 64, 4, 1)
 _CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}
+_RAN: dict[tuple, list[tuple[int, int, int, int]]] = {}  # per key, the configs that ran
+_SEEN: list[tuple] | None = None  # keys launched inside `recording_keys`
 
 
 def _interpreting() -> bool:
@@ -131,9 +133,10 @@ def skinny_linear(
     assert x.shape[1] == (2 * k if silu_mul else k), (tuple(x.shape), tuple(weight.shape))
     assert not (silu_mul and norm_weight is not None), "one prologue at a time"
     assert x.device == weight.device
-    if m > FOLD_PROLOGUE_ROWS and (norm_weight is not None or silu_mul):
-        # Folding the prologue into the tensor-core loop stalls its weight pipeline (measured
-        # 2x slower on an H200): past one row it runs as its own small kernel first.
+    if m > 1 and (norm_weight is not None or silu_mul):
+        # Folding the prologue into the tensor-core loop stalls its weight pipeline (an 8-row
+        # step took 11.0 ms instead of 5.25 on an H200): past one row it runs as its own small
+        # kernel first.
         from verify_kernels.fused_ops import rms_norm
         from verify_kernels.fused_ops import silu_mul as silu_mul_
 
@@ -149,8 +152,10 @@ def skinny_linear(
     else:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     block_m = 1 if m == 1 else 16
-    key = (block_m, n, k, x.dtype, weight.dtype, norm_weight is not None, silu_mul,
-           bias is not None, residual is not None)
+    key = (1 << (m - 1).bit_length(), n, k, x.dtype, weight.dtype, norm_weight is not None,
+           silu_mul, bias is not None, residual is not None)
+    if _SEEN is not None and key not in _SEEN:
+        _SEEN.append(key)
 
     pdl = pdl_args(x.device)
 
@@ -170,40 +175,65 @@ def skinny_linear(
     cfg = _CHOSEN.get(key)
     if cfg is None:
         configs = CONFIGS_ONE_ROW if block_m == 1 else CONFIGS_DOT
-        cfg = _tune(launch, configs, out, residual, x.device)
-        if cfg is None:  # capturing a CUDA graph: no timing now, and nothing remembered
+        ran = _tune(launch, configs, out, residual, x.device)
+        if ran is None:  # capturing a CUDA graph: no timing now, and nothing remembered
             cfg = configs[1]
         else:
+            cfg, _RAN[key] = ran[0], ran
             _CHOSEN[key] = cfg
     launch(cfg, out, residual)
     return out
 
 
 def _tune(launch, configs, out: torch.Tensor, residual: torch.Tensor | None,
-          device: torch.device):
-    """The fastest config, timed on scratch outputs (the residual must not accumulate), or None
-    while a CUDA graph is being captured."""
+          device: torch.device) -> list[tuple[int, int, int, int]] | None:
+    """The configs that ran, fastest first, timed on scratch outputs (the residual must not
+    accumulate); None while a CUDA graph is being captured."""
     if _interpreting() or device.type != "cuda":
-        return _INTERPRET_CONFIG
+        return [_INTERPRET_CONFIG]
     if torch.cuda.is_current_stream_capturing():
         return None
     from triton.testing import do_bench
 
     scratch = torch.empty_like(out)
     res = residual.clone() if residual is not None else None
-    best, best_t = configs[1], float("inf")
+    timed = []
     for cfg in configs:
         try:
-            t = do_bench(lambda cfg=cfg: launch(cfg, scratch, res), warmup=5, rep=20)
+            timed.append((do_bench(lambda cfg=cfg: launch(cfg, scratch, res), warmup=5,
+                                   rep=20), cfg))
         except Exception:  # a config this GPU cannot fit (shared memory, registers)
             continue
-        if t < best_t:
-            best, best_t = cfg, t
-    return best
+    return [cfg for _, cfg in sorted(timed)] or [configs[1]]
 
 
 def chosen_configs() -> dict[tuple, tuple[int, int, int, int]]:
     return dict(_CHOSEN)
+
+
+@contextlib.contextmanager
+def recording_keys() -> Iterator[list[tuple]]:
+    """Collects the config keys of every skinny_linear call made inside the block, in order."""
+    global _SEEN
+    keys: list[tuple] = []
+    _SEEN = keys
+    try:
+        yield keys
+    finally:
+        _SEEN = None
+
+
+def candidates(key: tuple) -> list[tuple[int, int, int, int]]:
+    """The configs that ran for `key` when it was tuned (fastest alone first)."""
+    return list(_RAN.get(key, ()))
+
+
+def config_of(key: tuple) -> tuple[int, int, int, int] | None:
+    return _CHOSEN.get(key)
+
+
+def set_config(key: tuple, cfg: tuple[int, int, int, int]) -> None:
+    _CHOSEN[key] = cfg
 
 
 def skinny_linear_ref(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_mul=False,
