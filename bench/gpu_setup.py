@@ -175,18 +175,15 @@ def time_steps(engine, segs, iters: int = 20) -> float:
     return a.elapsed_time(b) / 1e3 / iters
 
 
-def check_pdl() -> bool:
-    """True if kernels launched with programmatic dependent launch give, inside a CUDA graph,
-    exactly what they give eagerly (a chain of dependent skinny matmuls and a norm)."""
+def check_pdl(prefetch: bool = True) -> bool:
+    """True if kernels launched with programmatic dependent launch (and, with `prefetch`, the
+    matmuls' L2 weight prefetch) give, inside a CUDA graph, exactly what the same kernels give
+    without it (a chain of dependent skinny matmuls and a norm)."""
     from verify_kernels import pdl
     from verify_kernels.fused_ops import rms_norm
     from verify_kernels.skinny_gemm import skinny_linear
 
-    pdl.ENABLED, was = True, pdl.ENABLED
-    if not pdl.use_pdl(torch.device("cuda")):
-        log("programmatic dependent launch: not available on this device")
-        pdl.ENABLED = was
-        return False
+    was = pdl.ENABLED, pdl.PREFETCH
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g) / 64
     nw = torch.rand(4096, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
@@ -197,15 +194,28 @@ def check_pdl() -> bool:
         y = skinny_linear(rms_norm(y, nw, 1e-5), w, residual=y.clone())
         return skinny_linear(y, w, norm_weight=nw)
 
-    want = chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = chain()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
+    try:
+        pdl.ENABLED = False
+        want = chain()
+        pdl.ENABLED, pdl.PREFETCH = True, prefetch
+        if not pdl.use_pdl(torch.device("cuda")):
+            log("programmatic dependent launch: not available on this device")
+            return False
+        chain()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = chain()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    except Exception as e:
+        log(f"programmatic dependent launch (prefetch={prefetch}) failed: "
+            f"{type(e).__name__}: {str(e)[:400]}")
+        return False
+    finally:
+        pdl.ENABLED, pdl.PREFETCH = was
     same = bool(torch.equal(got, want))
-    pdl.ENABLED = was
-    log(f"programmatic dependent launch in a CUDA graph: {'exact' if same else 'MISMATCH'}")
+    log(f"programmatic dependent launch (prefetch={prefetch}) in a CUDA graph: "
+        f"{'exact' if same else 'MISMATCH'}")
     return same

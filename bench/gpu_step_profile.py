@@ -120,16 +120,23 @@ def step_profile(out: dict) -> None:
         for rows in (1, 8):
             out.setdefault(f"retuned_graph_step_ms_rows_{rows}", []).append(graphed(engine, rows))
         gs.log(f"retuned {trial}: {gr.tuned}")
-    # A/B in one process, alternated, tiles fixed: programmatic dependent launch on and off.
+    # A/B in one process, alternated, tiles fixed: programmatic dependent launch off, on, and
+    # on with the matmuls prefetching their weights into L2.
     gr.tune = False
     ab: dict = {}
+    variants = {"off": (False, False), "pdl": (True, False), "pdl_prefetch": (True, True)}
     for rnd in range(2):
-        for on in (True, False):
-            pdl.ENABLED = on
+        for name, (on, pre) in variants.items():
+            pdl.ENABLED, pdl.PREFETCH = on, pre
             for rows in (1, 8):
-                ab.setdefault(f"pdl_{on}_rows_{rows}_ms", []).append(graphed(engine, rows))
+                try:
+                    t = graphed(engine, rows)
+                except Exception as e:  # a variant this GPU or compiler refuses
+                    gs.log(f"{name} failed: {type(e).__name__}: {str(e)[:300]}")
+                    t = float("nan")
+                ab.setdefault(f"{name}_rows_{rows}_ms", []).append(t)
         gs.log(f"A/B round {rnd}: " + " ".join(f"{k}={v[-1]:.3f}" for k, v in ab.items()))
-    pdl.ENABLED = False
+    pdl.ENABLED, pdl.PREFETCH = False, True
     out["graph_step_pdl_ab_ms"] = ab
     # Split-KV partitions of the batch-1 attention at this context (the graph runner's choice is
     # sized for the longest context a bucket may see).
@@ -148,12 +155,14 @@ def step_profile(out: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--skip-linear", action="store_true", help="skip the per-layer comparison")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                  "note": gs.NOTE}
-    linear_bench(out)
+    if not args.skip_linear:
+        linear_bench(out)
     (out_dir / "gpu_step_profile.json").write_text(json.dumps(out, indent=1))
     step_profile(out)
     (out_dir / "gpu_step_profile.json").write_text(json.dumps(out, indent=1))

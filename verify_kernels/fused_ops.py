@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from verify_kernels.pdl import pdl_args
+from verify_kernels.pdl import gdc_enter, pdl_args
 
 
 @triton.jit
@@ -25,9 +25,7 @@ def _rms_norm_kernel(
     hidden, eps,
     BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # verify_kernels/pdl.py: nothing before this touches memory
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    gdc_enter(USE_PDL, True)  # verify_kernels/pdl.py
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
@@ -84,9 +82,7 @@ def _rope_write_kv_kernel(
     scaling,
     NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # verify_kernels/pdl.py: nothing before this touches memory
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    gdc_enter(USE_PDL, True)  # verify_kernels/pdl.py
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -166,9 +162,7 @@ def _silu_mul_kernel(
     stride_gu, stride_o, inter,
     BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # verify_kernels/pdl.py: nothing before this touches memory
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    gdc_enter(USE_PDL, True)  # verify_kernels/pdl.py
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from specdec.attention import AttentionMetadata, paged_attention_ref
-from verify_kernels.pdl import pdl_args
+from verify_kernels.pdl import gdc_enter, pdl_args
 
 __all__ = ["choose_num_splits", "paged_attention", "paged_attention_ref"]
 
@@ -112,9 +112,7 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # verify_kernels/pdl.py: nothing before this touches memory
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    gdc_enter(USE_PDL, True)  # verify_kernels/pdl.py
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -193,9 +191,7 @@ def _reduce_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # verify_kernels/pdl.py: nothing before this touches memory
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    gdc_enter(USE_PDL, True)  # verify_kernels/pdl.py
     row = tl.program_id(0).to(tl.int64)  # token
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from verify_kernels.pdl import pdl_args
+from verify_kernels.pdl import gdc_enter, pdl_args, prefetch_l2, prefetch_ok
 
 MAX_ROWS = 16
 
@@ -48,12 +48,15 @@ def _skinny_kernel(
     eps,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    W_BYTES: tl.constexpr,
 ):
-    if USE_PDL:  # verify_kernels/pdl.py: nothing before this touches memory
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
+    if PREFETCH:  # this program's weight rows (contiguous) start coming into L2 now
+        rows = tl.minimum(BLOCK_N, N - pid * BLOCK_N)
+        prefetch_l2(w_ptr + (pid * BLOCK_N).to(tl.int64) * stride_wn,
+                    rows * stride_wn * W_BYTES)
+    gdc_enter(USE_PDL, False)  # verify_kernels/pdl.py
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -157,7 +160,8 @@ def skinny_linear(
     if _SEEN is not None and key not in _SEEN:
         _SEEN.append(key)
 
-    pdl = pdl_args(x.device)
+    pdl = {**pdl_args(x.device), "PREFETCH": prefetch_ok(weight),
+           "W_BYTES": weight.element_size()}
 
     def launch(cfg: tuple[int, int, int, int], o: torch.Tensor, r: torch.Tensor | None) -> None:
         bn, bk, warps, stages = cfg
