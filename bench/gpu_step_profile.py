@@ -96,7 +96,7 @@ def graphed(engine, rows: int) -> float:
 
 
 def step_profile(out: dict) -> None:
-    from verify_kernels import pdl, skinny_gemm
+    from verify_kernels import skinny_gemm
 
     tmp = Path(tempfile.mkdtemp())
     engine = gs.build_engine(gs.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton", 600)
@@ -111,44 +111,17 @@ def step_profile(out: dict) -> None:
         gs.log(f"graphed step, {rows} rows (runner.execute): "
                f"{out[f'graph_step_ms_rows_{rows}']:.3f} ms")
     out["graph_tuning"] = {str(k): v for k, v in gr.tuned.items()}
+    out["skinny_configs"] = {str(k): v for k, v in skinny_gemm.chosen_configs().items()}
     gs.log(f"in-graph tile tuning: {gr.tuned}")
     # How much the tile choice moves from one tuning to the next: forget every choice, tune
     # again (alone, then in the graph), time again.
-    for trial in range(2):
+    for trial in range(1):
         skinny_gemm._CHOSEN.clear()
         skinny_gemm._RAN.clear()
+        gr._tuned_keys.clear()
         for rows in (1, 8):
             out.setdefault(f"retuned_graph_step_ms_rows_{rows}", []).append(graphed(engine, rows))
         gs.log(f"retuned {trial}: {gr.tuned}")
-    # A/B in one process, alternated, tiles fixed: programmatic dependent launch off, on, and
-    # on with the matmuls prefetching their weights into L2.
-    gr.tune = False
-    ab: dict = {}
-    variants = {"off": (False, False), "pdl": (True, False), "pdl_prefetch": (True, True)}
-    for rnd in range(2):
-        for name, (on, pre) in variants.items():
-            pdl.ENABLED, pdl.PREFETCH = on, pre
-            for rows in (1, 8):
-                try:
-                    t = graphed(engine, rows)
-                except Exception as e:  # a variant this GPU or compiler refuses
-                    gs.log(f"{name} failed: {type(e).__name__}: {str(e)[:300]}")
-                    t = float("nan")
-                ab.setdefault(f"{name}_rows_{rows}_ms", []).append(t)
-        gs.log(f"A/B round {rnd}: " + " ".join(f"{k}={v[-1]:.3f}" for k, v in ab.items()))
-    pdl.ENABLED, pdl.PREFETCH = False, True
-    out["graph_step_pdl_ab_ms"] = ab
-    # Split-KV partitions of the batch-1 attention at this context (the graph runner's choice is
-    # sized for the longest context a bucket may see).
-    default = gr.num_splits(1, 1)
-    splits: dict = {"default": default}
-    for s in (8, 16, 32, 64):
-        gr.num_splits = lambda b, q, s=s: s
-        splits[str(s)] = graphed(engine, 1)
-    del gr.num_splits
-    out["graph_step_ms_by_attention_splits"] = splits
-    gs.log(f"step ms by attention splits: {splits}")
-    gr.tune = True
     gr.graphs.clear()
 
 

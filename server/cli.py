@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import time
 from typing import Any
 
 from server.app import build_app
@@ -126,6 +127,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     from specdec.engine import LLMEngine
 
     engine = LLMEngine.from_args(**engine_kwargs(args))
+    if engine.runner.graphs is not None:
+        t0 = time.monotonic()
+        n = engine.runner.graphs.capture_all(engine.config.scheduler.max_num_seqs, 16)
+        log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
     aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
     asyncio.run(_serve(aengine, args))
     return 0

@@ -20,7 +20,9 @@ Tile sizes of the step's few-row matmuls are first chosen per kernel, timed alon
 no neighbours); a tile that wins alone does not always win between the step's other kernels.
 So on a bucket's first capture each matmul's tiles are re-chosen by timing the whole captured
 step with every candidate, one matmul at a time, keeping a change only when the step gets
-faster (`tune`, on unless SPECDEC_TUNE_GRAPHS=0; about a second or two per bucket).
+faster (`tune`, on unless SPECDEC_TUNE_GRAPHS=0; a few seconds per row count, once: buckets
+with the same rows per step share the choice). `capture_all` does every bucket up front, so
+that no step waits for a capture (the server calls it at start).
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ class GraphRunner:
         self.eager_steps = 0
         self.tune = os.environ.get("SPECDEC_TUNE_GRAPHS", "1") != "0"
         self.tuned: dict[tuple[int, int], dict] = {}  # per bucket: step ms before/after, trials
+        self._tuned_keys: set[tuple] = set()
 
     def num_splits(self, b: int, q: int) -> int:
         """Split-KV partitions for a bucket, sized for the longest context it may see."""
@@ -237,6 +240,24 @@ class GraphRunner:
         h = hidden.index_select(0, idx)  # [rows, hidden], outside the graph's memory
         return StepOutput(self.model.compute_logits(h), h, offsets)
 
+    @torch.inference_mode()
+    def capture_all(self, max_batch: int, max_q: int) -> int:
+        """Capture every bucket up to `max_batch` sequences of `max_q` rows (tiles tuned on
+        the way), on placeholder steps that write no KV. Returns how many were captured."""
+        from specdec.model_runner import Segment
+
+        n = 0
+        for b in (x for x in BATCH_SIZES if x <= max_batch):
+            for q in (x for x in TOKENS_PER_SEQ if x <= max_q and b * x <= MAX_GRAPH_TOKENS):
+                if (b, q) in self.graphs:
+                    continue
+                segs = [Segment([0] * q, list(range(q)), [-1] * q, 0, [0],
+                                logits_rows=tuple(range(q))) for _ in range(b)]
+                self.execute(segs)
+                n += 1
+        torch.cuda.synchronize(self.device)
+        return n
+
     def _forward(self, lay: Layout) -> torch.Tensor:  # [T, hidden]
         ids, pos, meta = padded_metadata(lay, self.d64, self.d32, self.dmask, self.block_size)
         backend = _FixedSplits(self.backend, self.num_splits(lay.batch, lay.q))
@@ -251,6 +272,7 @@ class GraphRunner:
         # writes last: the step stays exact.
         with skinny_gemm.recording_keys() as keys:
             self._forward(lay)
+        keys = [k for k in keys if k not in self._tuned_keys]
         graph, hidden = self._graph(lay)
         if self.tune and keys:
             graph, hidden = self._tune_in_graph(lay, keys, graph, hidden)
@@ -291,6 +313,7 @@ class GraphRunner:
                 if t < best * 0.997:  # past replay noise
                     best, kept, graph, hidden = t, cfg, g, h
             skinny_gemm.set_config(key, kept)
+            self._tuned_keys.add(key)
         self.tuned[(lay.batch, lay.q)] = {"step_ms_alone_tuned": first, "step_ms": best,
                                           "trials": trials}
         return graph, hidden

@@ -148,3 +148,26 @@ def test_skinny_tile_choice_hooks():
     assert skinny_gemm.config_of(keys[0]) == cands[-1]
     tol = {"atol": 3e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {}
     torch.testing.assert_close(skinny_linear(x, w1), skinny_linear_ref(x, w1), **tol)
+
+
+@pytest.mark.parametrize("m", [2, 3, 8])
+@pytest.mark.parametrize("prologue", ["norm", "silu"])
+def test_skinny_fma_rows_fold_the_prologue(m, prologue):
+    """The several-row FMA candidate (norm or SiLU-and-multiply folded in, residual in place)
+    against the reference, forced through set_config as the tuner would pick it."""
+    from verify_kernels import skinny_gemm
+
+    g = torch.Generator().manual_seed(m)
+    n, k = 40, 96
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, DT)
+    x = torch.randn(m, 2 * k if prologue == "silu" else k, generator=g).to(DEV, DT)
+    res = torch.randn(m, n, generator=g).to(DEV, DT)
+    kw = ({"norm_weight": (torch.rand(k, generator=g) + 0.5).to(DEV, DT)}
+          if prologue == "norm" else {"silu_mul": True})
+    ref = skinny_linear_ref(x, w, residual=res, **kw)
+    with skinny_gemm.recording_keys() as keys:
+        skinny_linear(x, w, residual=res.clone(), **kw)  # records (and tunes) the key
+    skinny_gemm.set_config(keys[0], (16, 32, 4, 1, True))
+    out = skinny_linear(x, w, residual=res.clone(), **kw)
+    tol = {"atol": 3e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(out, ref, **tol)

@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from verify_kernels.pdl import gdc_enter, pdl_args
-
 
 @triton.jit
 def _rms_norm_kernel(
@@ -23,9 +21,8 @@ def _rms_norm_kernel(
     out_ptr,  # [T, H]
     stride_x, stride_o,
     hidden, eps,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    gdc_enter(USE_PDL, True)  # verify_kernels/pdl.py
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
@@ -49,7 +46,7 @@ def rms_norm(
     t, h = x.shape
     if t:
         _rms_norm_kernel[(t,)](x, weight, out, x.stride(0), out.stride(0), h, eps,
-                               BLOCK=triton.next_power_of_2(h), **pdl_args(x.device))
+                               BLOCK=triton.next_power_of_2(h))
     return out
 
 
@@ -80,9 +77,8 @@ def _rope_write_kv_kernel(
     slot_ptr,  # [T] int64, negative = padding, not written
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cslot, stride_ch,
     scaling,
-    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr,
 ):
-    gdc_enter(USE_PDL, True)  # verify_kernels/pdl.py
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -142,8 +138,7 @@ def rope_write_kv(
         _rope_write_kv_kernel[(t, hq + hkv)](
             q, k, v, k_cache, v_cache, positions, inv_freq, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(1), k_cache.stride(2), scaling, NUM_Q_HEADS=hq, HALF=d // 2,
-            **pdl_args(q.device))
+            k_cache.stride(1), k_cache.stride(2), scaling, NUM_Q_HEADS=hq, HALF=d // 2)
 
 
 def rope_write_kv_ref(q, k, v, positions, inv_freq, scaling, k_cache, v_cache, slot_mapping):
@@ -160,9 +155,8 @@ def _silu_mul_kernel(
     gu_ptr,  # [T, 2I]
     out_ptr,  # [T, I]
     stride_gu, stride_o, inter,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    gdc_enter(USE_PDL, True)  # verify_kernels/pdl.py
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
@@ -180,8 +174,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     block = 1024
     if t:
         _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0),
-                                                         out.stride(0), inter, BLOCK=block,
-                                                         **pdl_args(out.device))
+                                                         out.stride(0), inter, BLOCK=block)
     return out
 
 

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from specdec.attention import AttentionMetadata, paged_attention_ref
-from verify_kernels.pdl import gdc_enter, pdl_args
 
 __all__ = ["choose_num_splits", "paged_attention", "paged_attention_ref"]
 
@@ -110,9 +109,8 @@ def _paged_attn_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, GROUP: tl.constexpr,
     GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    gdc_enter(USE_PDL, True)  # verify_kernels/pdl.py
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -189,9 +187,8 @@ def _reduce_kernel(
     lse_ptr,  # [T, Hq, NUM_SPLITS] float32
     num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLITS_P: tl.constexpr,
 ):
-    gdc_enter(USE_PDL, True)  # verify_kernels/pdl.py
     row = tl.program_id(0).to(tl.int64)  # token
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P)
@@ -329,12 +326,12 @@ def paged_attention(
         GROUP_P=plan.block_m // plan.block_q, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
         BLOCK_N=64 if d <= 128 else 32, BLOCK_SIZE=bs, HAS_MASK=plan.has_mask,
         NUM_SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=4, **pdl_args(dev),
+        num_warps=4,
     )
     if splits > 1:
         _reduce_kernel[(t, hq)](
             out, part, lse, hq, hq * d, d,
             HEAD_DIM=d, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits,
-            SPLITS_P=_next_pow2(splits), num_warps=4, **pdl_args(dev),
+            SPLITS_P=_next_pow2(splits), num_warps=4,
         )
     return out

@@ -9,15 +9,17 @@ nothing else. This kernel folds them into the matmul:
   rstd * ((x * g) @ W^T), and the sum of squares behind rstd accumulates in the same pass over K
   that feeds the matmul, so the norm costs no extra read;
 - `silu_mul`: the input is [M, 2K] (gate | up) and silu(gate) * up is formed as it is loaded;
-  (these two prologues are folded at one row; at more rows they run as a kernel of their own)
 - `residual`: the output is added to `residual` (which may be the output buffer itself: each
   program reads and writes only its own columns), and `bias` is added before it.
 
-A program owns BLOCK_N output columns of every row and walks K; one row (plain decode) reduces
-with FMAs, more rows use tensor-core dots over a 16-row tile. The tile sizes are chosen per
-shape and row count by timing on first use (never while a CUDA graph is being captured); the
-graph runner may then re-choose them by timing the whole captured step (`recording_keys`,
-`candidates`, `set_config`). The PyTorch reference is `skinny_linear_ref`.
+A program owns BLOCK_N output columns of every row and walks K. It reduces either with FMAs
+(the prologues fold in; one row always, and up to 8 rows as a candidate) or with tensor-core
+dots over a 16-row tile (the prologue then runs first as a kernel of its own: folded into the
+dot loop it stalls the weight pipeline, an 8-row step took 11.0 ms instead of 5.25 on an
+H200). Which, and the tile sizes, are chosen per shape and row count by timing on first use
+(never while a CUDA graph is being captured); the graph runner may then re-choose them by
+timing the whole captured step (`recording_keys`, `candidates`, `set_config`). The PyTorch
+reference is `skinny_linear_ref`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ from collections.abc import Iterator
 import torch
 import triton
 import triton.language as tl
-
-from verify_kernels.pdl import gdc_enter, pdl_args, prefetch_l2, prefetch_ok
 
 MAX_ROWS = 16
 
@@ -48,15 +48,9 @@ def _skinny_kernel(
     eps,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    W_BYTES: tl.constexpr,
+    FMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if PREFETCH:  # this program's weight rows (contiguous) start coming into L2 now
-        rows = tl.minimum(BLOCK_N, N - pid * BLOCK_N)
-        prefetch_l2(w_ptr + (pid * BLOCK_N).to(tl.int64) * stride_wn,
-                    rows * stride_wn * W_BYTES)
-    gdc_enter(USE_PDL, False)  # verify_kernels/pdl.py
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -86,6 +80,8 @@ def _skinny_kernel(
             w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         if BLOCK_M == 1:
             acc += tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
+        elif FMA:  # [BLOCK_M, BLOCK_N, BLOCK_K] products, reduced over K
+            acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
         else:
             acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PRECISION)
     if NORM:
@@ -100,16 +96,20 @@ def _skinny_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=om)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried per shape on the GPU. One row reduces with
-# FMAs, so narrow column tiles are allowed (more programs in flight for tall-K layers); the
-# tensor-core path needs tiles of at least 16.
-CONFIGS_ONE_ROW = ((4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 3),
-                   (16, 1024, 8, 2), (32, 256, 4, 4), (32, 512, 8, 3))
-CONFIGS_DOT = ((16, 256, 4, 4), (32, 256, 4, 4), (32, 512, 8, 3), (64, 256, 8, 3),
-               (64, 128, 4, 4), (128, 128, 8, 3))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, FMA) tried per shape on the GPU. FMAs allow narrow
+# column tiles (more programs in flight for tall-K layers); with several rows they hold
+# BLOCK_M * BLOCK_N * BLOCK_K products, so K tiles shrink. Tensor-core tiles are 16 or more.
+Config = tuple[int, int, int, int, bool]
+FMA_MAX_ROWS = 8
+CONFIGS_ONE_ROW = ((4, 1024, 4, 3, True), (8, 512, 4, 3, True), (8, 1024, 4, 2, True),
+                   (16, 512, 4, 3, True), (16, 1024, 8, 2, True), (32, 256, 4, 4, True),
+                   (32, 512, 8, 3, True))
+CONFIGS_FMA_ROWS = ((4, 256, 4, 3, True), (8, 128, 4, 4, True), (16, 128, 8, 3, True))
+CONFIGS_DOT = ((16, 256, 4, 4, False), (32, 256, 4, 4, False), (32, 512, 8, 3, False),
+               (64, 256, 8, 3, False), (64, 128, 4, 4, False), (128, 128, 8, 3, False))
 _INTERPRET_CONFIG = (32, 64, 4, 1)
-_CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}
-_RAN: dict[tuple, list[tuple[int, int, int, int]]] = {}  # per key, the configs that ran
+_CHOSEN: dict[tuple, Config] = {}
+_RAN: dict[tuple, list[Config]] = {}  # per key, the configs that ran
 _SEEN: list[tuple] | None = None  # keys launched inside `recording_keys`
 
 
@@ -136,15 +136,6 @@ def skinny_linear(
     assert x.shape[1] == (2 * k if silu_mul else k), (tuple(x.shape), tuple(weight.shape))
     assert not (silu_mul and norm_weight is not None), "one prologue at a time"
     assert x.device == weight.device
-    if m > 1 and (norm_weight is not None or silu_mul):
-        # Folding the prologue into the tensor-core loop stalls its weight pipeline (an 8-row
-        # step took 11.0 ms instead of 5.25 on an H200): past one row it runs as its own small
-        # kernel first.
-        from verify_kernels.fused_ops import rms_norm
-        from verify_kernels.fused_ops import silu_mul as silu_mul_
-
-        x = silu_mul_(x) if silu_mul else rms_norm(x, norm_weight, eps)
-        norm_weight, silu_mul = None, False
     if norm_weight is not None:
         assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
     if bias is not None:
@@ -154,32 +145,38 @@ def skinny_linear(
         out = residual
     else:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    block_m = 1 if m == 1 else 16
-    key = (1 << (m - 1).bit_length(), n, k, x.dtype, weight.dtype, norm_weight is not None,
-           silu_mul, bias is not None, residual is not None)
+    rows = 1 << (m - 1).bit_length()
+    key = (rows, n, k, x.dtype, weight.dtype, norm_weight is not None, silu_mul,
+           bias is not None, residual is not None)
     if _SEEN is not None and key not in _SEEN:
         _SEEN.append(key)
 
-    pdl = {**pdl_args(x.device), "PREFETCH": prefetch_ok(weight),
-           "W_BYTES": weight.element_size()}
+    def launch(cfg: Config, o: torch.Tensor, r: torch.Tensor | None) -> None:
+        bn, bk, warps, stages, fma = cfg
+        xin, g, silu = x, norm_weight, silu_mul
+        if not fma and (g is not None or silu):  # tensor-core dots: the prologue runs first
+            from verify_kernels.fused_ops import rms_norm
+            from verify_kernels.fused_ops import silu_mul as silu_mul_
 
-    def launch(cfg: tuple[int, int, int, int], o: torch.Tensor, r: torch.Tensor | None) -> None:
-        bn, bk, warps, stages = cfg
+            xin = silu_mul_(x) if silu else rms_norm(x, g, eps)
+            g, silu = None, False
         _skinny_kernel[(triton.cdiv(n, bn),)](
-            x, weight, o, bias if bias is not None else weight, r if r is not None else o,
-            norm_weight if norm_weight is not None else weight,
-            m, n, k, x.stride(0), weight.stride(0), o.stride(0),
+            xin, weight, o, bias if bias is not None else weight, r if r is not None else o,
+            g if g is not None else weight,
+            m, n, k, xin.stride(0), weight.stride(0), o.stride(0),
             r.stride(0) if r is not None else 0, eps,
-            NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
-            HAS_RES=r is not None, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
-            EVEN=n % bn == 0 and k % bk == 0,
+            NORM=g is not None, SILU_MUL=silu, HAS_BIAS=bias is not None,
+            HAS_RES=r is not None, BLOCK_M=rows if fma else 16, BLOCK_N=bn, BLOCK_K=bk,
+            EVEN=n % bn == 0 and k % bk == 0, FMA=fma,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=warps, num_stages=stages, **pdl)
+            num_warps=warps, num_stages=stages)
 
     cfg = _CHOSEN.get(key)
     if cfg is None:
-        configs = CONFIGS_ONE_ROW if block_m == 1 else CONFIGS_DOT
-        ran = _tune(launch, configs, out, residual, x.device)
+        configs = CONFIGS_ONE_ROW if m == 1 else CONFIGS_DOT
+        if 1 < m <= FMA_MAX_ROWS:
+            configs += CONFIGS_FMA_ROWS
+        ran = _tune(launch, configs, out, residual, x.device, m == 1)
         if ran is None:  # capturing a CUDA graph: no timing now, and nothing remembered
             cfg = configs[1]
         else:
@@ -190,11 +187,12 @@ def skinny_linear(
 
 
 def _tune(launch, configs, out: torch.Tensor, residual: torch.Tensor | None,
-          device: torch.device) -> list[tuple[int, int, int, int]] | None:
+          device: torch.device, fma: bool) -> list[Config] | None:
     """The configs that ran, fastest first, timed on scratch outputs (the residual must not
-    accumulate); None while a CUDA graph is being captured."""
+    accumulate); None while a CUDA graph is being captured. Off the GPU: one small tile, FMAs
+    at one row, dots past it."""
     if _interpreting() or device.type != "cuda":
-        return [_INTERPRET_CONFIG]
+        return [(*_INTERPRET_CONFIG, fma)]
     if torch.cuda.is_current_stream_capturing():
         return None
     from triton.testing import do_bench
@@ -211,7 +209,7 @@ def _tune(launch, configs, out: torch.Tensor, residual: torch.Tensor | None,
     return [cfg for _, cfg in sorted(timed)] or [configs[1]]
 
 
-def chosen_configs() -> dict[tuple, tuple[int, int, int, int]]:
+def chosen_configs() -> dict[tuple, Config]:
     return dict(_CHOSEN)
 
 
@@ -227,16 +225,16 @@ def recording_keys() -> Iterator[list[tuple]]:
         _SEEN = None
 
 
-def candidates(key: tuple) -> list[tuple[int, int, int, int]]:
+def candidates(key: tuple) -> list[Config]:
     """The configs that ran for `key` when it was tuned (fastest alone first)."""
     return list(_RAN.get(key, ()))
 
 
-def config_of(key: tuple) -> tuple[int, int, int, int] | None:
+def config_of(key: tuple) -> Config | None:
     return _CHOSEN.get(key)
 
 
-def set_config(key: tuple, cfg: tuple[int, int, int, int]) -> None:
+def set_config(key: tuple, cfg: Config) -> None:
     _CHOSEN[key] = cfg
 
 
