@@ -188,6 +188,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=380.0)
     ap.add_argument("--models", default=",".join(SHAPES))
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true",
+                    help="batch 1 only: the cost curve and plain decode, no speculative runs "
+                         "and no transformers peer")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -232,14 +235,14 @@ def main() -> None:
         res["decode_b1_roofline_tokens_per_s"] = 1 / floor
         engine.runner.kv.normal_()  # attention over finite, non-zero KV
         sizes = (2, 4, 8, 16, 32, 64) if mi == 0 else (2, 4, 8, 16)
-        batches = (1, 8, 32) if mi == 0 else (1,)
+        batches = (1, 8, 32) if mi == 0 and not args.quick else (1,)
         cost_curve(engine, res, bw, batches, sizes)
         b1 = res["verify_cost_ratio"]["1"]["decode_step_ms"] / 1e3
         res["decode_b1_runner_step_fraction_of_roofline"] = floor / b1
         if engine.runner.graphs is not None:
             graph_vs_eager(engine, res)
         save()
-        if left() > 120:
+        if left() > (30 if args.quick else 120):
             from drafters import replay
 
             prompt = torch.randint(100, engine.runner.vocab_size, (CTX,)).tolist()
@@ -260,14 +263,16 @@ def main() -> None:
             save()
             sb = (1, 16) if mi == 0 else (1,)
             taus = (2, 3, 4, 5) if mi == 0 else (3,)
-            speculative(engine, res, sb, taus, k=7, tree_branches=2, max_tokens=args.max_tokens)
+            if not args.quick:
+                speculative(engine, res, sb, taus, k=7, tree_branches=2,
+                            max_tokens=args.max_tokens)
             save()
         if engine.runner.graphs is not None:
             res["graph_tuning"] = {str(k): v for k, v in engine.runner.graphs.tuned.items()}
             res["graph_buckets_captured"] = sorted(map(list, engine.runner.graphs.graphs))
         del engine, m
         torch.cuda.empty_cache()
-        if left() > 45:
+        if left() > 45 and not args.quick:
             try:
                 hf_peer(path, res)
                 torch.cuda.empty_cache()

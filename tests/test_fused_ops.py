@@ -97,6 +97,35 @@ def test_skinny_linear(m, n, k, prologue, epilogue):
         assert not torch.equal(kw["residual"], res_before)
 
 
+@pytest.mark.parametrize("m", [1, 5, 16, 20])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("fma", [False, True])
+def test_gated_linear(m, norm, bias, fma):
+    """silu(gate) * up as the epilogue of a [2N, K] gate_up weight (cuBLAS and silu_mul past
+    16 rows); the several-row FMA path when `fma`."""
+    from verify_kernels import skinny_gemm
+
+    if fma and not 1 < m <= skinny_gemm.FMA_MAX_ROWS:
+        pytest.skip("the FMA candidate serves 2..8 rows")
+    g = torch.Generator().manual_seed(7 * m + norm + 2 * bias)
+    n, k = 72, 96
+    x = torch.randn(m, k, generator=g).to(DEV, DT)
+    w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(DEV, DT)
+    kw = {"gated": True}
+    if norm:
+        kw.update(norm_weight=(torch.rand(k, generator=g) + 0.5).to(DEV, DT), eps=1e-5)
+    b = torch.randn(2 * n, generator=g).to(DEV, DT) if bias else None
+    ref = skinny_linear_ref(x, w, b, **kw)
+    if fma:
+        with skinny_gemm.recording_keys() as keys:
+            skinny_linear(x, w, b, **kw)
+        skinny_gemm.set_config(keys[0], (16, 32, 4, 1, True))
+    out = fused_linear(x, w, b, **kw)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
+
+
 def test_fused_linear_past_skinny_rows():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(20, 2 * 48, generator=g).to(DEV, DT)

@@ -9,6 +9,9 @@ nothing else. This kernel folds them into the matmul:
   rstd * ((x * g) @ W^T), and the sum of squares behind rstd accumulates in the same pass over K
   that feeds the matmul, so the norm costs no extra read;
 - `silu_mul`: the input is [M, 2K] (gate | up) and silu(gate) * up is formed as it is loaded;
+- `gated`: the weight is [2N, K] (gate rows, then up rows, as a fused gate_up projection) and
+  the output is silu(gate) * up, [M, N]: each program computes the gate and up columns it pairs,
+  so the activation is an epilogue and the next matmul reads [M, N] as it is;
 - `residual`: the output is added to `residual` (which may be the output buffer itself: each
   program reads and writes only its own columns), and `bias` is added before it.
 
@@ -36,19 +39,38 @@ MAX_ROWS = 16
 
 
 @triton.jit
+def _load_rows(rows, ks, mask_n, mask_k, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(rows + ks[None, :])
+    return tl.load(rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+
+
+@triton.jit
+def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, FMA: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    if BLOCK_M == 1:
+        acc += tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
+    elif FMA:  # [BLOCK_M, BLOCK_N, BLOCK_K] products, reduced over K
+        acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+    else:
+        acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,  # [M, K], or [M, 2K] (gate | up) with SILU_MUL
-    w_ptr,  # [N, K]
+    w_ptr,  # [N, K], or [2N, K] (gate rows | up rows) with GATED
     out_ptr,  # [M, N]
-    bias_ptr,  # [N] (any pointer without HAS_BIAS)
+    bias_ptr,  # [N], or [2N] with GATED (any pointer without HAS_BIAS)
     res_ptr,  # [M, N], may be out_ptr (any pointer without HAS_RES)
     g_ptr,  # [K] norm weight (any pointer without NORM)
     M, N, K,
     stride_xm, stride_wn, stride_om, stride_rm,
     eps,
-    NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-    FMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr, FMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -57,6 +79,7 @@ def _skinny_kernel(
     mask_n = rn < N
     mask_m = rm < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED only
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
@@ -74,20 +97,21 @@ def _skinny_kernel(
             ss += tl.sum(x * x, axis=1)
             g = tl.load(g_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
             x = x * g[None, :]
-        if EVEN:
-            w = tl.load(w_rows + ks[None, :])  # [BLOCK_N, BLOCK_K]
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        if BLOCK_M == 1:
-            acc += tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
-        elif FMA:  # [BLOCK_M, BLOCK_N, BLOCK_K] products, reduced over K
-            acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
-        else:
-            acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PRECISION)
+        w = _load_rows(w_rows, ks, mask_n, mask_k, EVEN)  # [BLOCK_N, BLOCK_K]
+        acc = _accumulate(acc, w, x, BLOCK_M, FMA, DOT_PRECISION)
+        if GATED:
+            w_up = _load_rows(w_rows + N * stride_wn, ks, mask_n, mask_k, EVEN)
+            acc_up = _accumulate(acc_up, w_up, x, BLOCK_M, FMA, DOT_PRECISION)
     if NORM:
-        acc = acc * tl.rsqrt(ss / K + eps)[:, None]
+        rstd = tl.rsqrt(ss / K + eps)[:, None]
+        acc = acc * rstd
+        acc_up = acc_up * rstd
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + N + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     om = mask_m[:, None] & mask_n[None, :]
     if HAS_RES:
         res = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=om, other=0.0)
@@ -119,16 +143,18 @@ def _interpreting() -> bool:
 
 def skinny_linear(
     x: torch.Tensor,  # [M, K], or [M, 2K] with silu_mul
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
+    weight: torch.Tensor,  # [N, K], or [2N, K] with gated
+    bias: torch.Tensor | None = None,  # [N], or [2N] with gated
     *,
     norm_weight: torch.Tensor | None = None,  # [K]
     eps: float = 1e-6,
     silu_mul: bool = False,
+    gated: bool = False,
     residual: torch.Tensor | None = None,  # [M, N]; the result is written here when out is None
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """linear(prologue(x), weight, bias) (+ residual, in place): see the module docstring."""
+    """epilogue(linear(prologue(x), weight, bias)) (+ residual, in place): see the module
+    docstring."""
     m = x.shape[0]
     n, k = weight.shape
     assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, "rows must be contiguous"
@@ -140,6 +166,9 @@ def skinny_linear(
         assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
+    if gated:
+        assert n % 2 == 0 and weight.is_contiguous(), "gated needs [2N, K] contiguous rows"
+        n //= 2
     if residual is not None:
         assert residual.shape == (m, n) and residual.stride(1) == 1
         out = residual
@@ -147,7 +176,7 @@ def skinny_linear(
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     rows = 1 << (m - 1).bit_length()
     key = (rows, n, k, x.dtype, weight.dtype, norm_weight is not None, silu_mul,
-           bias is not None, residual is not None)
+           bias is not None, residual is not None, gated)
     if _SEEN is not None and key not in _SEEN:
         _SEEN.append(key)
 
@@ -165,7 +194,7 @@ def skinny_linear(
             g if g is not None else weight,
             m, n, k, xin.stride(0), weight.stride(0), o.stride(0),
             r.stride(0) if r is not None else 0, eps,
-            NORM=g is not None, SILU_MUL=silu, HAS_BIAS=bias is not None,
+            NORM=g is not None, SILU_MUL=silu, GATED=gated, HAS_BIAS=bias is not None,
             HAS_RES=r is not None, BLOCK_M=rows if fma else 16, BLOCK_N=bn, BLOCK_K=bk,
             EVEN=n % bn == 0 and k % bk == 0, FMA=fma,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -239,7 +268,7 @@ def set_config(key: tuple, cfg: Config) -> None:
 
 
 def skinny_linear_ref(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_mul=False,
-                      residual=None, out_dtype=None):
+                      gated=False, residual=None, out_dtype=None):
     """The same result with PyTorch ops, in float32 (residual left untouched)."""
     xf = x.float()
     if silu_mul:
@@ -250,6 +279,9 @@ def skinny_linear_ref(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_
     y = xf @ weight.float().t()
     if bias is not None:
         y = y + bias.float()
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
     if residual is not None:
         y = y + residual.float()
     return y.to(residual.dtype if residual is not None else out_dtype or x.dtype)
@@ -263,6 +295,7 @@ def fused_linear(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu_mul: bool = False,
+    gated: bool = False,
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
@@ -270,7 +303,8 @@ def fused_linear(
     kernels of their own around cuBLAS, where a launch is small beside the matmul."""
     if 0 < x.shape[0] <= MAX_ROWS:
         return skinny_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
-                             silu_mul=silu_mul, residual=residual, out_dtype=out_dtype)
+                             silu_mul=silu_mul, gated=gated, residual=residual,
+                             out_dtype=out_dtype)
     from verify_kernels.fused_ops import rms_norm
     from verify_kernels.fused_ops import silu_mul as silu_mul_
 
@@ -279,6 +313,8 @@ def fused_linear(
     if silu_mul:
         x = silu_mul_(x)
     y = torch.nn.functional.linear(x, weight, bias)
+    if gated:
+        y = silu_mul_(y)
     if residual is not None:
         return residual.add_(y)
     return y if out_dtype is None else y.to(out_dtype)

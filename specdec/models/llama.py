@@ -164,10 +164,9 @@ class DecoderLayer(nn.Module):
 
         self.self_attn.forward_fused(res, self.input_layernorm, positions, meta, kv, backend)
         ln, mlp = self.post_attention_layernorm, self.mlp
-        gate_up = fused_linear(res, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                               norm_weight=ln.weight, eps=ln.eps)  # [T, 2 * inter]
-        fused_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, silu_mul=True,
-                     residual=res)
+        act = fused_linear(res, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                           norm_weight=ln.weight, eps=ln.eps, gated=True)  # [T, inter]
+        fused_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=res)
 
 
 class LlamaModel(nn.Module):
