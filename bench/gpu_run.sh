@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
-  SPECDEC_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q --noconftest -p no:cacheprovider \
+  SPECDEC_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q --noconftest -p no:cacheprovider \
     tests/test_kernels.py tests/test_fused_ops.py 2>&1 | tail -15
   timeout 90 python3 -m pytest -q -x tests/test_cuda_graphs.py 2>&1 | tail -5
   timeout 200 python3 bench/gpu_step_profile.py --skip-linear --out "$out"
