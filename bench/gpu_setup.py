@@ -41,14 +41,15 @@ def log(*a) -> None:
     print(f"[{time.monotonic() - T0:6.1f}s]", *a, flush=True)
 
 
-def make_model_dir(root: Path, name: str) -> Path:
-    """config.json plus a word-level tokenizer sized to the vocabulary."""
+def make_model_dir(root: Path, name: str, cfg: dict | None = None) -> Path:
+    """config.json (`cfg`, or the named shape's) plus a word-level tokenizer sized to the
+    vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
-    cfg = SHAPES[name]
+    cfg = cfg or SHAPES[name]
     (d / "config.json").write_text(json.dumps(cfg))
     vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t1"))

@@ -12,6 +12,7 @@ order. Node i sits at query row 1 + i, at KV slot `context_len + 1 + i`, at posi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,8 +120,14 @@ def depths_of(parents: Sequence[int]) -> list[int]:
 
 
 def ancestor_mask_of(parents: Sequence[int]) -> torch.Tensor:
-    """[1 + n, 1 + n] bool ancestor mask of one sequence's tree from its host parent list,
-    built as lists so that it costs one tensor construction."""
+    """[1 + n, 1 + n] bool ancestor mask of one sequence's tree from its host parent list.
+    Drafters repeat a few tree shapes (a chain of k is always the same), so masks are cached by
+    shape and shared: read them, never write them."""
+    return _ancestor_mask(tuple(parents))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
     n = len(parents)
     rows = [[True] + [False] * n]  # the root sees only itself
     for i, p in enumerate(parents):
