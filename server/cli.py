@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "not pay")
     p.add_argument("--no-overlap", action="store_true",
                    help="read every decode step back before launching the next (overlap is on "
-                        "by default on CUDA for plain greedy decoding)")
+                        "by default on CUDA for plain decoding)")
     p.add_argument("--log-level", default="info")
     return p
 

@@ -1,14 +1,15 @@
 """Overlapped plain decoding: step n + 1 is launched before step n's tokens are read back.
 
-A step of plain greedy decodes needs nothing from the host that the device does not already
-hold: its input tokens are the previous step's argmax, still on the device, and its positions
-and KV slots follow from the previous step's. So while the GPU runs step n, the engine launches
+A step of plain decodes needs nothing from the host that the device does not already hold: its
+input tokens are the previous step's samples (argmax, or the verifier's draw from the request's
+own uniform, as without overlap), still on the device, and its positions and KV slots follow
+from the previous step's. So while the GPU runs step n, the engine launches
 step n + 1 with those device tokens, then waits for step n's tokens and does its bookkeeping
 (KV commit, stop checks, detokenizing, outputs) while step n + 1 runs: the host's per-step work
 hides behind the GPU's instead of adding to it.
 
 The pipeline holds while the batch stays the same: no new, aborted or preempted request, and
-every request decoding plainly and greedily without penalties or logprobs. Anything else drains
+every request decoding plainly (no speculation) without penalties or logprobs. Anything else drains
 it (the step in flight is read back) and the engine steps normally. When a request stops at
 step n (a stop token or string), the work step n + 1 did for it is dropped; its KV write lands
 in a block that is freed only after that write is queued, so later steps, queued behind it on
@@ -23,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from drafters.tree import DraftTree
 from specdec.model_runner import Segment
-from specdec.step_results import settle
+from specdec.step_results import accept_on_device, settle
 
 if TYPE_CHECKING:
     from specdec.engine import LLMEngine
@@ -39,7 +41,7 @@ class InFlight:
 
     seqs: list[Sequence]
     contexts: list[int]  # per sequence, its num_computed when the step was launched
-    tokens: torch.Tensor  # [B] int64, each row's argmax, on the model's device
+    tokens: torch.Tensor  # [B] int64, each row's sample, on the model's device
     host: torch.Tensor  # [B] int64, the copy the host reads (pinned on CUDA)
     done: Any  # torch.cuda.Event recorded after the copy; None on the CPU
 
@@ -52,13 +54,12 @@ class DecodePipeline:
 
     @staticmethod
     def qualifies(plan: StepPlan, trees: list, capture: Any) -> bool:
-        """A step whose tokens the next step may take from the device: plain greedy decodes."""
+        """A step whose tokens the next step may take from the device: plain decodes."""
         if plan.prefills or not plan.decodes or capture is not None:
             return False
         for d, (toks, _, _) in zip(plan.decodes, trees):
             p = d.seq.params
-            if (toks or d.seq.spec_method != "none" or not p.greedy or p.has_penalties
-                    or p.logprobs is not None):
+            if toks or d.seq.spec_method != "none" or p.has_penalties or p.logprobs is not None:
                 return False
         return True
 
@@ -66,7 +67,13 @@ class DecodePipeline:
                segments: list[Segment], prev_tokens: torch.Tensor | None = None) -> None:
         """Run a step of one-row segments, keep its argmax in flight."""
         out = engine.runner.execute(segments, token_source=prev_tokens)
-        tokens = out.logits.argmax(dim=-1)  # [B]
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
+            tokens = out.logits.argmax(dim=-1)  # [B]
+        else:  # the same draw the step would make without overlap
+            tokens = accept_on_device(engine, out.logits, params, None, seqs,
+                                      DraftTree.empty(len(seqs)),
+                                      list(range(len(seqs)))).tokens[:, 0]
         done = None
         host = tokens
         if tokens.is_cuda:

@@ -15,6 +15,14 @@ import torch
 from specdec.sampling_params import SamplingParams
 
 
+def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the device: `torch.tensor(x,
+    device=cuda)` synchronises the stream, which would stall a step launched ahead
+    (specdec/overlap.py)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class RowContext:
     """What a logits row's penalties depend on: the tokens before the position it predicts."""
@@ -71,8 +79,8 @@ def process_logits(
     dev = logits.device
     if all(p.greedy for p in params):  # the common case: no softmax or sort
         return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                         device=dev, dtype=torch.float32)
+    temps = host_to_device([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                           torch.float32, dev)
     logits = logits / temps[:, None]
     needs_topk = any(0 < p.top_k < logits.shape[1] for p in params)
     needs_topp = any(p.top_p < 1.0 for p in params)
@@ -80,12 +88,12 @@ def process_logits(
         logits = _top_k_top_p(logits, params)
     probs = torch.softmax(logits, dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=torch.float32)
+        min_p = host_to_device([p.min_p for p in params], torch.float32, dev)
         cutoff = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         probs = torch.where(probs < cutoff, torch.zeros_like(probs), probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     if any(p.greedy for p in params):  # decided on the host: no device synchronisation
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        greedy = host_to_device([p.greedy for p in params], torch.bool, dev)
         onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
@@ -94,10 +102,11 @@ def process_logits(
 def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     dev, vocab = logits.device, logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    ks = host_to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                        torch.long, dev)
     ranks = torch.arange(vocab, device=dev)[None, :]
     drop = ranks >= ks[:, None]
-    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
+    top_p = host_to_device([p.top_p for p in params], torch.float32, dev)
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     before = sorted_probs.cumsum(dim=-1) - sorted_probs

@@ -9,7 +9,13 @@ import torch
 
 from drafters.tree import DraftTree, depths_of
 from specdec.outputs import RequestOutput, SpecMetrics, TokenLogprob
-from specdec.sampler import RowContext, greedy_tokens, logprobs_of, process_logits
+from specdec.sampler import (
+    RowContext,
+    greedy_tokens,
+    host_to_device,
+    logprobs_of,
+    process_logits,
+)
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
 from specdec.verifier import verify_greedy_lists, verify_tree
@@ -148,27 +154,8 @@ def _verify_sampled(
     local_offsets: list[int],
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Per sequence (emitted tokens, accepted local nodes) through the tree verifier."""
-    dev = logits.device
-    probs = process_logits(logits, rows_params, rows_ctx)
-    # Uniforms per sequence from its own generator: one per node, then one for the bonus.
-    sizes = tree.sizes()
-    us = [torch.zeros(n + 1) if seq.params.greedy
-          else torch.rand(n + 1, generator=engine._gens[seq.request_id])
-          for (seq, _), n in zip(samplers, sizes)]
-    u = torch.cat(us)  # [R]
-    if tree.num_nodes:
-        bonus_at = [o + n for o, n in zip(local_offsets, sizes)]
-        is_node = torch.ones(len(u), dtype=torch.bool)
-        is_node[bonus_at] = False
-        node_u, bonus_u = u[is_node], u[~is_node]
-    else:
-        node_u, bonus_u = u[:0], u
-    greedy = torch.tensor([s.params.greedy for s, _ in samplers], device=dev)
-    verify = verify_tree
-    if dev.type == "cuda":
-        from verify_kernels.acceptance import accept_tree as verify  # one launch for the batch
-    res = verify(probs, torch.tensor(local_offsets, dtype=torch.long, device=dev), tree,
-                 greedy, node_u.to(dev), bonus_u.to(dev))
+    res = accept_on_device(engine, logits, rows_params, rows_ctx, [s for s, _ in samplers],
+                           tree, local_offsets)
     # The step's one host synchronisation: results come back together.
     bsz, width = res.tokens.shape
     packed = torch.cat([res.tokens.flatten(), res.num_tokens,
@@ -178,6 +165,40 @@ def _verify_sampled(
     new_h = [packed[b * width:b * width + num_h[b]] for b in range(bsz)]
     acc_h = [acc[b * (width - 1):b * (width - 1) + num_h[b] - 1] for b in range(bsz)]
     return new_h, acc_h
+
+
+def accept_on_device(
+    engine: LLMEngine,
+    logits: torch.Tensor,  # [R, V] raw
+    rows_params: list[SamplingParams],
+    rows_ctx: list[RowContext] | None,
+    seqs: list[Sequence],
+    tree: DraftTree,
+    local_offsets: list[int],  # per sequence, its root's row
+):
+    """The tree verifier's result (see specdec/verifier.py) for a step's rows, left on the
+    device: nothing here waits for the device."""
+    dev = logits.device
+    probs = process_logits(logits, rows_params, rows_ctx)
+    # Uniforms per sequence from its own generator: one per node, then one for the bonus.
+    sizes = tree.sizes()
+    us = [torch.zeros(n + 1) if seq.params.greedy
+          else torch.rand(n + 1, generator=engine._gens[seq.request_id])
+          for seq, n in zip(seqs, sizes)]
+    u = torch.cat(us)  # [R]
+    if tree.num_nodes:
+        bonus_at = [o + n for o, n in zip(local_offsets, sizes)]
+        is_node = torch.ones(len(u), dtype=torch.bool)
+        is_node[bonus_at] = False
+        node_u, bonus_u = u[is_node], u[~is_node]
+    else:
+        node_u, bonus_u = u[:0], u
+    greedy = host_to_device([s.params.greedy for s in seqs], torch.bool, dev)
+    verify = verify_tree
+    if dev.type == "cuda":
+        from verify_kernels.acceptance import accept_tree as verify  # one launch for the batch
+    return verify(probs, host_to_device(local_offsets, torch.long, dev), tree, greedy,
+                  node_u.to(dev, non_blocking=True), bonus_u.to(dev, non_blocking=True))
 
 
 def _record(engine: LLMEngine, seq: Sequence, drafted: int, accepted: int, emitted: int,

@@ -56,7 +56,20 @@ def test_stops_and_lengths_mid_pipeline(tiny_llama):
         assert summary(lm.generate([p], par)) == [w]
 
 
-def test_arrivals_aborts_and_sampling_drain_the_pipeline(tiny_llama):
+def test_sampled_decoding_overlapped_is_the_same_draw(tiny_llama):
+    """Seeded sampling (temperature, top-k/p, min-p; greedy rows mixed in) gives the same
+    tokens with the pipeline on: each step draws from each request's generator as before."""
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=3, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=8, max_tokens=14, seed=4, ignore_eos=True),
+              GREEDY,
+              SamplingParams(temperature=1.3, min_p=0.05, max_tokens=24, seed=5)]
+    want = summary(llm(tiny_llama, False).generate(PROMPTS, params))
+    lm = llm(tiny_llama, True)
+    assert summary(lm.generate(PROMPTS, params)) == want
+    assert lm.engine.pipeline.chained_steps >= 10 and lm.engine.blocks.num_used == 0
+
+
+def test_arrivals_and_aborts_drain_the_pipeline(tiny_llama):
     ref = {i: o.token_ids for i, o in enumerate(llm(tiny_llama, False).generate(
         PROMPTS, GREEDY))}
     lm = llm(tiny_llama, True, max_num_seqs=8)
@@ -67,7 +80,7 @@ def test_arrivals_aborts_and_sampling_drain_the_pipeline(tiny_llama):
     for step in range(200):
         if added < 12 and step % 3 == 0:
             rid = f"r{added}"
-            # Every third request samples: its steps run without the pipeline.
+            # Every third request samples (seeded): the pipeline carries it too.
             eng.add_request(rid, PROMPTS[added % 4], sampled if added % 3 == 2 else GREEDY)
             added += 1
         if step == 10:
