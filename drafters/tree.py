@@ -112,9 +112,11 @@ class DraftTree:
 
 def depths_of(parents: Sequence[int]) -> list[int]:
     """Depth of each node of one sequence's tree (1 for the root's children), from its host
-    parent list (parents come before their children)."""
+    parent list (parents come before their children, which this checks)."""
     depths: list[int] = []
-    for p in parents:
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"node {i} has parent {p}: parents must come first")
         depths.append(1 if p < 0 else depths[p] + 1)
     return depths
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from drafters import DraftRequest, DraftTree, create_drafter, drafter_class
-from drafters.tree import ancestor_mask_of
+from drafters.tree import ancestor_mask_of, depths_of
 from specdec.block_manager import BlockManager
 from specdec.config import (
     CacheConfig,
@@ -262,17 +262,22 @@ class LLMEngine:
                                 list(s.block_table),
                                 logits_rows=(n - 1,) if p.completes else ()))
         # Every sampling sequence goes through verification: a completed prefill or a plain
-        # decode is a root with an empty tree. The batch tree is built (and validated) once.
+        # decode is a root with an empty tree. A step that samples anywhere verifies the batch
+        # as one DraftTree, built (and validated) once; an all-greedy step walks the host lists.
         completing = [p for p in plan.prefills if p.completes]
         tree_lists = [([], [])] * len(completing) + [(toks, pars) for toks, pars, _ in trees]
-        tree = (DraftTree.from_lists(tree_lists, [None] * len(completing) + [
-            probs for _, _, probs in trees], self.runner.vocab_size)
-            if any(toks for toks, _, _ in trees) else DraftTree.empty(len(tree_lists)))
-        depths = tree.depths.tolist() if tree.num_nodes else []
-        for j, (d, (toks, pars, _)) in enumerate(zip(plan.decodes, trees)):
+        tree = None
+        if not all(s.params.greedy for s in [p.seq for p in completing] + [
+                d.seq for d in plan.decodes]):
+            tree = (DraftTree.from_lists(tree_lists, [None] * len(completing) + [
+                probs for _, _, probs in trees], self.runner.vocab_size)
+                if any(toks for toks, _, _ in trees) else DraftTree.empty(len(tree_lists)))
+        vocab = self.runner.vocab_size
+        for d, (toks, pars, _) in zip(plan.decodes, trees):
             s, c, n = d.seq, d.seq.num_computed, len(toks)
-            o = tree.offsets[len(completing) + j]
-            segs.append(Segment([s.last_token] + toks, [c] + [c + x for x in depths[o:o + n]],
+            if toks and not 0 <= min(toks) <= max(toks) < vocab:
+                raise ValueError(f"a draft token of {s.request_id} is outside the vocabulary")
+            segs.append(Segment([s.last_token] + toks, [c] + [c + x for x in depths_of(pars)],
                                 bm.slots(s, c, 1 + n), c, s.block_table,
                                 mask=ancestor_mask_of(pars) if toks else None,
                                 logits_rows=tuple(range(1 + n))))

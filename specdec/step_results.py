@@ -31,7 +31,8 @@ def apply_verified(
     out: StepOutput,
     samplers: list[tuple[Sequence, int]],
     tree_lists: list[tuple[list[int], list[int]]],
-    tree: DraftTree,  # tree_lists (with draft probabilities) as one batch
+    tree: DraftTree | None,  # tree_lists (with draft probabilities) as one batch; None when
+    # every row is greedy
     rows_params: list[SamplingParams],
     rows_ctx: list[RowContext] | None,  # None: no row has penalties
     row_offsets: list[int],
@@ -51,6 +52,7 @@ def apply_verified(
     if all(s.params.greedy for s, _ in samplers):
         new_h, acc_h = _verify_greedy(logits, rows_params, rows_ctx, tree_lists, local_offsets)
     else:
+        assert tree is not None, "a sampling step verifies a DraftTree"
         new_h, acc_h = _verify_sampled(engine, logits, rows_params, rows_ctx, samplers, tree,
                                        local_offsets)
     want_lp = [s.params.logprobs is not None for s, _ in samplers]
