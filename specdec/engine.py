@@ -283,8 +283,7 @@ class LLMEngine:
                                 logits_rows=tuple(range(1 + n))))
         capture = self._capture_layers(plan)
         if self.pipeline.enabled and self.pipeline.qualifies(plan, trees, capture):
-            self.pipeline.launch(self, [d.seq for d in plan.decodes],
-                                 [d.seq.num_computed for d in plan.decodes], segs)
+            self.pipeline.launch(self, [d.seq for d in plan.decodes], segs)
             return []  # read back by the next step
         out = self.runner.execute(segs, capture)
         if capture is not None:

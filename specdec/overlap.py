@@ -40,7 +40,7 @@ class InFlight:
     """A launched plain decode step whose tokens have not been read back."""
 
     seqs: list[Sequence]
-    contexts: list[int]  # per sequence, its num_computed when the step was launched
+    contexts: list[int]  # per sequence, the KV entries present before the step
     tokens: torch.Tensor  # [B] int64, each row's sample, on the model's device
     host: torch.Tensor  # [B] int64, the copy the host reads (pinned on CUDA)
     done: Any  # torch.cuda.Event recorded after the copy; None on the CPU
@@ -63,9 +63,9 @@ class DecodePipeline:
                 return False
         return True
 
-    def launch(self, engine: LLMEngine, seqs: list[Sequence], contexts: list[int],
-               segments: list[Segment], prev_tokens: torch.Tensor | None = None) -> None:
-        """Run a step of one-row segments, keep its argmax in flight."""
+    def launch(self, engine: LLMEngine, seqs: list[Sequence], segments: list[Segment],
+               prev_tokens: torch.Tensor | None = None) -> None:
+        """Run a step of one-row segments (one per sequence), keep its samples in flight."""
         out = engine.runner.execute(segments, token_source=prev_tokens)
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):
@@ -81,7 +81,7 @@ class DecodePipeline:
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        self.in_flight = InFlight(seqs, contexts, tokens, host, done)
+        self.in_flight = InFlight(seqs, [g.context_len for g in segments], tokens, host, done)
 
     def can_chain(self, engine: LLMEngine) -> bool:
         """True when the next step is the step in flight's batch, one token on, and every
@@ -111,8 +111,7 @@ class DecodePipeline:
             c = s.num_computed + 1  # the step in flight writes num_computed's KV
             segments.append(Segment([0], [c], [bm.slot(s, c)], c, s.block_table,
                                     logits_rows=(0,)))
-        self.launch(engine, list(f.seqs), [g.context_len for g in segments], segments,
-                    prev_tokens=f.tokens)
+        self.launch(engine, list(f.seqs), segments, prev_tokens=f.tokens)
         self.chained_steps += 1
         outputs = self._read_back(engine, f, in_flight=1)
         if all(s.is_finished for s in self.in_flight.seqs):

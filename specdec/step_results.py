@@ -31,8 +31,7 @@ def apply_verified(
     out: StepOutput,
     samplers: list[tuple[Sequence, int]],
     tree_lists: list[tuple[list[int], list[int]]],
-    tree: DraftTree | None,  # tree_lists (with draft probabilities) as one batch; None when
-    # every row is greedy
+    tree: DraftTree | None,  # tree_lists with draft probabilities as one batch; None: all greedy
     rows_params: list[SamplingParams],
     rows_ctx: list[RowContext] | None,  # None: no row has penalties
     row_offsets: list[int],
@@ -49,10 +48,9 @@ def apply_verified(
     logits = out.logits  # [R, V]
     if rows != list(range(logits.shape[0])):
         logits = logits[torch.tensor(rows, dtype=torch.long, device=dev)]
-    if all(s.params.greedy for s, _ in samplers):
+    if tree is None:  # every row greedy: the engine built no batch tree
         new_h, acc_h = _verify_greedy(logits, rows_params, rows_ctx, tree_lists, local_offsets)
     else:
-        assert tree is not None, "a sampling step verifies a DraftTree"
         new_h, acc_h = _verify_sampled(engine, logits, rows_params, rows_ctx, samplers, tree,
                                        local_offsets)
     want_lp = [s.params.logprobs is not None for s, _ in samplers]
