@@ -107,7 +107,7 @@ def make_greedy_stable(model) -> None:
 
 
 def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
-                max_tokens: int) -> None:
+                max_tokens: int, profile_dir: Path | None = None) -> None:
     from drafters import replay
 
     make_greedy_stable(engine.runner.model)
@@ -157,7 +157,56 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
                 log(f"batch {batch} {shape} tau {tau}: measured tau {tau_m:.2f}, "
                     f"{r:.1f} tok/s, speedup {r / plain_rate:.2f}")
         out[str(batch)] = row
+        res["speculative"] = out
+        if batch > 1 and profile_dir is not None:
+            base = {"method": "replay", "num_speculative_tokens": k, "branches": 1,
+                    "corrupt_rate": replay.rate_for_tau(3, k)}
+            res[f"host_profile_b{batch}"] = host_profile(
+                engine, prompts, base, max_tokens, profile_dir / f"host_profile_b{batch}.txt")
     res["speculative"] = out
+
+
+def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> dict:
+    """Where a speculative step's host time goes (untimed run, under cProfile): per step, the
+    wall time and the time spent in the read-back (waiting for the device, then the verdict
+    on host lists). Read-back near zero means the device waited for the host."""
+    import cProfile
+    import io
+    import pstats
+
+    import specdec.step_results as sr
+
+    read, read_s = sr._read, [0.0, 0]
+
+    def timed_read(p):
+        t = time.perf_counter()
+        r = read(p)
+        read_s[0] += time.perf_counter() - t
+        read_s[1] += 1
+        return r
+
+    sr._read = timed_read
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    try:
+        run_requests(engine, prompts, spec, max_tokens, "profile")
+    finally:
+        prof.disable()
+        sr._read = read
+    wall = time.perf_counter() - t
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(35)
+    st.sort_stats("cumtime").print_stats(45)
+    path.write_text(buf.getvalue())
+    steps = max(1, read_s[1])
+    res = {"steps": read_s[1], "wall_ms_per_step_profiled": wall / steps * 1e3,
+           "read_back_ms_per_step": read_s[0] / steps * 1e3, "spec": spec,
+           "note": "under cProfile (slower host); read-back = waiting for the device + the "
+                   "host verdict"}
+    log(f"host profile: {res}")
+    return res
 
 
 def hf_peer(path: Path, res: dict, new_tokens: int = 32) -> None:
@@ -265,7 +314,7 @@ def main() -> None:
             taus = (2, 3, 4, 5) if mi == 0 else (3,)
             if not args.quick:
                 speculative(engine, res, sb, taus, k=7, tree_branches=2,
-                            max_tokens=args.max_tokens)
+                            max_tokens=args.max_tokens, profile_dir=out_dir if mi == 0 else None)
             save()
         if engine.runner.graphs is not None:
             res["graph_tuning"] = {str(k): v for k, v in engine.runner.graphs.tuned.items()}

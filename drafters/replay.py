@@ -66,6 +66,8 @@ class _Cursor:
         self.prompt_len = prompt_len
         self.future = future
         self.rng = random.Random(seed)
+        self.checked = 0  # generated tokens already found to follow the script
+        self.off = False  # the history has left the script (for good: tokens only grow)
 
 
 @register
@@ -112,10 +114,14 @@ class ReplayDrafter(Drafter):
         truth: list[int] = []
         if cur.future is not None:
             done = len(r.tokens) - cur.prompt_len
-            if r.tokens[cur.prompt_len:] == cur.future[:done]:
-                truth = cur.future[done:done + r.k]
-            else:
+            if not cur.off:  # only the tokens added since the last step need checking
+                new = r.tokens[cur.prompt_len + cur.checked:]
+                cur.off = new != cur.future[cur.checked:done]
+                cur.checked = done
+            if cur.off:
                 self.off_script += 1
+            else:
+                truth = cur.future[done:done + r.k]
         rate = float(r.options.get("corrupt_rate", 0.0))
         branches = max(1, int(r.options.get("branches", 1)))
         tokens: list[int] = []

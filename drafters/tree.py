@@ -77,15 +77,13 @@ class DraftTree:
         for toks, pars in trees:
             if len(toks) != len(pars):
                 raise ValueError("a draft tree needs one parent per node")
-            for i, (t, p) in enumerate(zip(toks, pars)):
-                if not -1 <= p < i:
-                    raise ValueError(f"node {i} has parent {p}: parents must come first")
-                if t < 0 or (vocab_size is not None and t >= vocab_size):
-                    raise ValueError(f"draft token {t} outside the vocabulary")
+            depths += depths_of(pars)  # checks that parents come first
+            if toks and (min(toks) < 0 or (vocab_size is not None and max(toks) >= vocab_size)):
+                bad = next(t for t in toks if t < 0 or (vocab_size and t >= vocab_size))
+                raise ValueError(f"draft token {bad} outside the vocabulary")
             _check_unique_siblings(toks, pars)
-            tokens += [int(t) for t in toks]
-            parents += [int(p) for p in pars]
-            depths += depths_of(pars)
+            tokens += toks
+            parents += pars
             offsets.append(len(tokens))
         draft_probs = stochastic = None
         if probs is not None and any(p is not None for p in probs):
@@ -110,15 +108,21 @@ class DraftTree:
                          draft_probs, stochastic)
 
 
-def depths_of(parents: Sequence[int]) -> list[int]:
+def depths_of(parents: Sequence[int]) -> tuple[int, ...]:
     """Depth of each node of one sequence's tree (1 for the root's children), from its host
-    parent list (parents come before their children, which this checks)."""
+    parent list (parents come before their children, which this checks). Cached by shape, like
+    the ancestor masks."""
+    return _depths(tuple(parents))
+
+
+@functools.lru_cache(maxsize=4096)
+def _depths(parents: tuple[int, ...]) -> tuple[int, ...]:
     depths: list[int] = []
     for i, p in enumerate(parents):
         if not -1 <= p < i:
             raise ValueError(f"node {i} has parent {p}: parents must come first")
         depths.append(1 if p < 0 else depths[p] + 1)
-    return depths
+    return tuple(depths)
 
 
 def ancestor_mask_of(parents: Sequence[int]) -> torch.Tensor:
@@ -140,6 +144,8 @@ def _ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
 
 
 def _check_unique_siblings(tokens: Sequence[int], parents: Sequence[int]) -> None:
+    if len(set(parents)) == len(parents):
+        return  # no two nodes share a parent (a chain)
     seen: set[tuple[int, int]] = set()
     for t, p in zip(tokens, parents):
         if (p, t) in seen:

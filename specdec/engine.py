@@ -29,7 +29,13 @@ from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledPrefill, Scheduler, StepPlan
 from specdec.sequence import Sequence
 from specdec.spec_control import Candidate, SpeculationController
-from specdec.step_results import apply_verified
+from specdec.step_results import (
+    PendingStep,
+    Settled,
+    finish_step,
+    launch_verification,
+    report,
+)
 
 
 class LLMEngine:
@@ -62,6 +68,8 @@ class LLMEngine:
         self.adaptive_default = adaptive_speculation
         self.spec_control = SpeculationController()
         self._depth: dict[str, int] = {}  # this step's chosen draft depth per request
+        self._pending: PendingStep | None = None  # launched, not read back (see step)
+        self._carried: list[RequestOutput] = []  # outputs of a step that raised
         overlap = config.scheduler.overlap
         self.pipeline = DecodePipeline(self.runner.device.type == "cuda" if overlap is None
                                        else overlap)
@@ -173,27 +181,48 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+        """One engine step. With overlap on, a step's pass is left running on the device and
+        read back by the next call, after that call has launched its own pass: the host's
+        bookkeeping of step n (then its detokenizing) runs while step n + 1 computes."""
+        outputs, self._carried = self._carried, []
         if self.pipeline.in_flight is not None:  # see specdec/overlap.py
             if self.pipeline.can_chain(self):
-                return self.pipeline.chain(self)
-            outputs = self.pipeline.drain(self)
-        outputs += [self._finish(seq, "abort") for seq in list(self.seqs.values())
-                    if seq.aborted]
-        self._depth = self._choose_depths()
-        want = {rid: self._drafter_of(self.seqs[rid]).max_nodes(k, self.seqs[rid].spec_options)
-                for rid, k in self._depth.items() if k > 0}
-        plan = self.scheduler.schedule(want)
-        for seq in plan.preempted:
-            self._release_drafter(seq)
-        if plan.empty:
-            return outputs
-        trees = self._propose(plan)
-        t0 = time.perf_counter()
-        results = self._run(plan, trees)
-        if self.pipeline.in_flight is None:  # a step left in flight has only been launched
-            self.spec_control.record_pass(plan.num_tokens, time.perf_counter() - t0)
-        return outputs + results
+                return outputs + self.pipeline.chain(self)
+            outputs += self.pipeline.drain(self)
+        settled = self._read_back()
+        aborted: list[Sequence] = []
+        try:
+            aborted = [s for s in self.seqs.values() if s.aborted and not s.is_finished]
+            for seq in aborted:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+                self._release_drafter(seq)
+            self._depth = self._choose_depths()
+            want = {rid: self._drafter_of(self.seqs[rid]).max_nodes(
+                k, self.seqs[rid].spec_options) for rid, k in self._depth.items() if k > 0}
+            plan = self.scheduler.schedule(want)
+            for seq in plan.preempted:
+                self._release_drafter(seq)
+            if not plan.empty:
+                self._pending = self._run(plan, self._propose(plan))
+                if not self.pipeline.enabled:
+                    settled += self._read_back()
+        finally:  # outputs of a step that raised are returned by the next call
+            outputs += report(self, settled)
+            outputs += [self._output(seq, [], None, finished=True) for seq in aborted]
+            self._carried = outputs
+        self._carried = []
+        return outputs
+
+    def _read_back(self) -> list[Settled]:
+        """Finish the launched step, if any (specdec/step_results.py)."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return []
+        settled = finish_step(self, p)
+        # Launch to read-back: the pass, or more when the host is the slower side.
+        self.spec_control.record_pass(p.plan.num_tokens, time.perf_counter() - p.launched)
+        return settled
 
     def _choose_depths(self) -> dict[str, int]:
         """Draft depth per speculating decode: its own k, or the controller's choice."""
@@ -252,7 +281,7 @@ class LLMEngine:
                 trees[i] = (all_toks[s:e][:m], all_pars[s:e][:m], probs)
         return trees
 
-    def _run(self, plan: StepPlan, trees) -> list[RequestOutput]:
+    def _run(self, plan: StepPlan, trees) -> PendingStep | None:
         bm = self.blocks
         segs: list[Segment] = []
         for p in plan.prefills:
@@ -284,7 +313,8 @@ class LLMEngine:
         capture = self._capture_layers(plan)
         if self.pipeline.enabled and self.pipeline.qualifies(plan, trees, capture):
             self.pipeline.launch(self, [d.seq for d in plan.decodes], segs)
-            return []  # read back by the next step
+            return None  # read back by the next step
+        launched = time.perf_counter()
         out = self.runner.execute(segs, capture)
         if capture is not None:
             self._observe_prefills(plan, out)
@@ -307,9 +337,9 @@ class LLMEngine:
             if not p.completes:
                 bm.commit(p.seq, p.seq.num_computed + p.num_tokens)
         if not samplers:
-            return []
-        return apply_verified(self, out, samplers, tree_lists, tree, rows_params, rows_ctx,
-                              row_offsets, plan)
+            return None
+        return launch_verification(self, out, samplers, tree_lists, tree, rows_params, rows_ctx,
+                                   row_offsets, plan, launched)
 
     @staticmethod
     def _row_contexts(completing: list[ScheduledPrefill], plan: StepPlan,
@@ -357,12 +387,6 @@ class LLMEngine:
                 self._drafter_of(p.seq).observe(p.seq.request_id, c,
                                                 p.seq.tokens[c:c + p.num_tokens],
                                                 self.features_for(out, capture, p.seq, rows))
-
-    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
-        seq.finish_reason = reason
-        self.scheduler.finish(seq)
-        self._release_drafter(seq)
-        return self._output(seq, [], None, finished=True)
 
     def _output(self, seq: Sequence, new_ids: list[int], logprobs, finished: bool
                 ) -> RequestOutput:

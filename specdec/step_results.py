@@ -1,8 +1,17 @@
-"""After the target pass: verify every sampling sequence, commit KV, append tokens, finish."""
+"""After the target pass: verify every sampling sequence, commit KV, append tokens, finish.
+
+A step's verification is launched on the device right after its target pass
+(`launch_verification`) and read back later (`finish_step`): at once, or, with overlap on, by
+the next engine step after it has launched its own pass (specdec/engine.py). Reading back
+happens in two phases. `finish_step` does what the next step depends on: accepted tokens
+appended, KV committed, drafters told, finished sequences removed from the scheduler. Building
+the outputs (detokenizing) is the second phase, left until the next pass is running.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,8 +34,28 @@ if TYPE_CHECKING:
     from specdec.model_runner import StepOutput
     from specdec.scheduler import StepPlan
 
+# (sequence, its new tokens, their logprobs or None, finished): what an output is built from.
+Settled = tuple[Sequence, list[int], Any, bool]
 
-def apply_verified(
+
+@dataclass
+class PendingStep:
+    """A step whose target pass and verification are launched but not read back."""
+
+    plan: StepPlan
+    out: StepOutput
+    samplers: list[tuple[Sequence, int]]  # (sequence, context length before the step)
+    tree_lists: list[tuple[list[int], list[int]]]  # per sampler: (draft tokens, parents)
+    logits: torch.Tensor  # [R, V] raw, each sampler's root row then its nodes' rows
+    local_offsets: list[int]  # per sampler, its root's row in `logits`
+    greedy: bool  # every row greedy: `result` holds each row's argmax
+    result: torch.Tensor  # host copy (pinned on CUDA): argmax [R], or packed acceptance
+    done: Any  # torch.cuda.Event recorded after the copy; None on the CPU
+    width: int  # acceptance: emitted-token columns per sampler
+    launched: float  # time.perf_counter() at launch
+
+
+def launch_verification(
     engine: LLMEngine,
     out: StepOutput,
     samplers: list[tuple[Sequence, int]],
@@ -36,7 +65,10 @@ def apply_verified(
     rows_ctx: list[RowContext] | None,  # None: no row has penalties
     row_offsets: list[int],
     plan: StepPlan,
-) -> list[RequestOutput]:
+    launched: float,
+) -> PendingStep:
+    """Queue the step's verification behind its pass and the copy of its result to the host;
+    nothing here waits for the device."""
     dev = out.logits.device
     # The logits rows of completed prefills come first in `out`, then decodes: rows_params
     # was built in the same order, so gather rows to match (usually every row, in order).
@@ -47,36 +79,70 @@ def apply_verified(
         rows += range(off, off + 1 + len(toks))
     logits = out.logits  # [R, V]
     if rows != list(range(logits.shape[0])):
-        logits = logits[torch.tensor(rows, dtype=torch.long, device=dev)]
+        logits = logits[host_to_device(rows, torch.long, dev)]
+    width = 0
     if tree is None:  # every row greedy: the engine built no batch tree
-        new_h, acc_h = _verify_greedy(logits, rows_params, rows_ctx, tree_lists, local_offsets)
+        result = greedy_tokens(logits, rows_params, rows_ctx)  # [R]
     else:
-        new_h, acc_h = _verify_sampled(engine, logits, rows_params, rows_ctx, samplers, tree,
-                                       local_offsets)
+        res = accept_on_device(engine, logits, rows_params, rows_ctx,
+                               [s for s, _ in samplers], tree, local_offsets)
+        width = res.tokens.shape[1]
+        result = torch.cat([res.tokens.flatten(), res.num_tokens, res.accepted_nodes.flatten()])
+    done = None
+    if result.is_cuda:
+        host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+        host.copy_(result, non_blocking=True)
+        result, done = host, torch.cuda.Event()
+        done.record()
+    return PendingStep(plan, out, samplers, tree_lists, logits, local_offsets, tree is None,
+                       result, done, width, launched)
+
+
+def _read(p: PendingStep) -> tuple[list[list[int]], list[list[int]]]:
+    """Per sampler (emitted tokens, accepted local nodes): the step's host synchronisation."""
+    if p.done is not None:
+        p.done.synchronize()
+    flat = p.result.tolist()
+    if p.greedy:
+        return verify_greedy_lists(flat, p.tree_lists, p.local_offsets)
+    bsz, width = len(p.samplers), p.width
+    num_h = flat[bsz * width:bsz * width + bsz]
+    acc = flat[bsz * width + bsz:]
+    new_h = [flat[b * width:b * width + num_h[b]] for b in range(bsz)]
+    acc_h = [acc[b * (width - 1):b * (width - 1) + num_h[b] - 1] for b in range(bsz)]
+    return new_h, acc_h
+
+
+def finish_step(engine: LLMEngine, p: PendingStep) -> list[Settled]:
+    """Read a launched step back: accept, commit KV, append tokens, finish what stopped.
+    Returns what each sampler's output is built from (`report`)."""
+    new_h, acc_h = _read(p)
+    samplers, plan, out = p.samplers, p.plan, p.out
+    dev = p.logits.device
     want_lp = [s.params.logprobs is not None for s, _ in samplers]
     lp_rows: list[int] = []
     lp_tokens: list[int] = []
     for b in range(len(samplers)):
         if want_lp[b]:
-            lp_rows += [local_offsets[b]] + [local_offsets[b] + 1 + a for a in acc_h[b]]
+            lp_rows += [p.local_offsets[b]] + [p.local_offsets[b] + 1 + a for a in acc_h[b]]
             lp_tokens += new_h[b]
     lp = None
     if lp_rows:
         top_n = max(s.params.logprobs or 0 for s, _ in samplers)
         idx = torch.tensor(lp_rows, dtype=torch.long, device=dev)
-        chosen, top_v, top_i = logprobs_of(logits[idx], torch.tensor(lp_tokens, device=dev),
+        chosen, top_v, top_i = logprobs_of(p.logits[idx], torch.tensor(lp_tokens, device=dev),
                                            top_n)
         lp = (chosen.tolist(), top_v.tolist(), top_i.tolist())
 
     bm = engine.blocks
-    num_prefills = sum(p.completes for p in plan.prefills)
+    num_prefills = sum(x.completes for x in plan.prefills)
     src: list[int] = []
     dst: list[int] = []
-    outputs: list[RequestOutput] = []
+    settled: list[Settled] = []
     lp_cursor = 0
     now = time.monotonic()
     for b, (seq, ctx) in enumerate(samplers):
-        toks, pars = tree_lists[b]
+        toks, pars = p.tree_lists[b]
         new, accepted = new_h[b], acc_h[b]
         n = len(new)
         is_decode = b >= num_prefills
@@ -105,15 +171,26 @@ def apply_verified(
                                      dict(zip(lp[2][lp_cursor + i][:k], lp[1][lp_cursor + i][:k])))
                         for i, t in enumerate(new)]
             lp_cursor += n
-        outputs.append(settle(engine, seq, new, logprobs, now))
+        settled.append(settle_tokens(engine, seq, new, logprobs, now))
     engine.runner.move_kv(src, dst)
-    return outputs
+    return settled
+
+
+def report(engine: LLMEngine, settled: list[Settled]) -> list[RequestOutput]:
+    """The outputs of settled sequences (detokenizing happens here)."""
+    return [engine._output(*s) for s in settled]
 
 
 def settle(engine: LLMEngine, seq: Sequence, new: list[int], logprobs: list | None,
            now: float) -> RequestOutput:
+    """`settle_tokens`, then the sequence's output."""
+    return engine._output(*settle_tokens(engine, seq, new, logprobs, now))
+
+
+def settle_tokens(engine: LLMEngine, seq: Sequence, new: list[int], logprobs: list | None,
+                  now: float) -> Settled:
     """Append a sequence's new tokens (whose KV is committed), up to its first stop condition;
-    finish it if one was met; return its output."""
+    finish it if one was met."""
     kept, reason = finish_check(engine, seq, new)
     if logprobs is not None:
         logprobs = logprobs[:len(kept)]
@@ -128,43 +205,7 @@ def settle(engine: LLMEngine, seq: Sequence, new: list[int], logprobs: list | No
         seq.finish_reason = reason
         engine.scheduler.finish(seq)
         engine._release_drafter(seq)
-    return engine._output(seq, kept, logprobs, finished=reason is not None)
-
-
-def _verify_greedy(
-    logits: torch.Tensor,  # [R, V] raw, each sequence's root row then its nodes' rows
-    rows_params: list[SamplingParams],
-    rows_ctx: list[RowContext] | None,
-    tree_lists: list[tuple[list[int], list[int]]],
-    local_offsets: list[int],
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Per sequence (emitted tokens, accepted local nodes) when every sequence is greedy: one
-    argmax over all rows, one copy to the host, then the verifier's greedy rule on lists."""
-    argmax = greedy_tokens(logits, rows_params, rows_ctx).tolist()  # the step's host sync
-    return verify_greedy_lists(argmax, tree_lists, local_offsets)
-
-
-def _verify_sampled(
-    engine: LLMEngine,
-    logits: torch.Tensor,  # [R, V] raw
-    rows_params: list[SamplingParams],
-    rows_ctx: list[RowContext] | None,
-    samplers: list[tuple[Sequence, int]],
-    tree: DraftTree,
-    local_offsets: list[int],
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Per sequence (emitted tokens, accepted local nodes) through the tree verifier."""
-    res = accept_on_device(engine, logits, rows_params, rows_ctx, [s for s, _ in samplers],
-                           tree, local_offsets)
-    # The step's one host synchronisation: results come back together.
-    bsz, width = res.tokens.shape
-    packed = torch.cat([res.tokens.flatten(), res.num_tokens,
-                        res.accepted_nodes.flatten()]).tolist()
-    num_h = packed[bsz * width:bsz * width + bsz]
-    acc = packed[bsz * width + bsz:]
-    new_h = [packed[b * width:b * width + num_h[b]] for b in range(bsz)]
-    acc_h = [acc[b * (width - 1):b * (width - 1) + num_h[b] - 1] for b in range(bsz)]
-    return new_h, acc_h
+    return seq, kept, logprobs, reason is not None
 
 
 def accept_on_device(

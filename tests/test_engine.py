@@ -89,9 +89,10 @@ def test_mixed_drafters_in_one_batch_of_8(tiny_llama, tiny_draft, reference):
     assert llm.engine.blocks.num_used == 0
 
 
-def test_random_aborts_free_every_block(tiny_llama, tiny_draft):
+@pytest.mark.parametrize("overlap", [False, True], ids=["stepwise", "overlap"])
+def test_random_aborts_free_every_block(tiny_llama, tiny_draft, overlap):
     llm = LLM(model=str(tiny_llama), speculative={"method": "ngram"}, block_size=4,
-              num_blocks=200, max_num_seqs=16)
+              num_blocks=200, max_num_seqs=16, overlap=overlap)
     eng = llm.engine
     rng = random.Random(0)
     live: set[str] = set()

@@ -100,3 +100,59 @@ def test_arrivals_and_aborts_drain_the_pipeline(tiny_llama):
     assert done["r2"].token_ids == alone
     assert eng.pipeline.chained_steps > 0 and eng.blocks.num_used == 0
     assert all(r == 0 for r in eng.blocks.ref_counts)
+
+
+def spec_summary(outs):
+    return [(o.token_ids, o.finish_reason, o.text,
+             None if o.logprobs is None else [(lp.token_id, round(lp.logprob, 4))
+                                              for lp in o.logprobs],
+             None if o.spec is None else (o.spec.steps, o.spec.accepted_tokens))
+            for o in outs]
+
+
+def test_speculative_steps_read_back_a_step_late(tiny_llama, tiny_draft):
+    """With overlap on, a speculative (or prefill, or mixed) step is read back by the next
+    step after that one has launched its pass. Drafters, trees, seeded sampling, penalties,
+    logprobs and stops mid-batch give what step-by-step reading gives."""
+    text = llm(tiny_llama, False).generate(PROMPTS[:1], GREEDY)[0].text
+    third = len(text) // 3
+    draft = {"method": "draft_model", "draft_model": str(tiny_draft), "num_speculative_tokens": 3}
+    self_draft = {"method": "draft_model", "draft_model": str(tiny_llama),
+                  "num_speculative_tokens": 4, "branches": 2}
+    cases = [
+        ({"method": "ngram", "num_speculative_tokens": 4}, dict(stop=[text[third:third + 3]])),
+        ({"method": "ngram", "num_speculative_tokens": 5, "branches": 3}, dict(logprobs=2)),
+        (draft, dict(temperature=1.0, top_p=0.9, seed=11)),
+        ({**draft, "branches": 2}, dict(temperature=0.8, seed=12, repetition_penalty=1.3)),
+        ({"method": "none"}, dict(max_tokens=9)),
+        (self_draft, dict(stop_token_ids=[7, 9])),
+        (self_draft, dict(temperature=1.0, seed=13, logprobs=1)),
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(cases))]
+    params = [SamplingParams(**{"temperature": 0.0, "max_tokens": 20, "ignore_eos": True,
+                                "speculative": s, **kw}) for s, kw in cases]
+
+    def run(overlap: bool):
+        lm = LLM(model=str(tiny_llama), speculative=draft, overlap=overlap, block_size=4)
+        outs = lm.generate(prompts, params)
+        assert lm.engine._pending is None and lm.engine.blocks.num_used == 0
+        return spec_summary(outs)
+
+    want = run(False)
+    assert want[0][1] == "stop" and want[5][1] in ("stop", "length")
+    assert run(True) == want
+
+
+def test_eagle_features_with_steps_read_back_late(tiny_llama, tmp_path):
+    """An EAGLE drafter takes the target's features of each verified step: reading the step
+    back after the next one has launched keeps greedy output equal to plain decoding."""
+    from test_eagle import make_head
+
+    head = make_head(tmp_path / "head", tiny_llama, eagle3=True, seed=1)
+    ref = [o.token_ids for o in llm(tiny_llama, False).generate(PROMPTS, GREEDY)]
+    lm = LLM(model=str(tiny_llama), speculative={
+        "method": "eagle", "eagle_head": str(head), "num_speculative_tokens": 3, "top_k": 2,
+        "max_nodes": 6}, overlap=True, block_size=4)
+    outs = lm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.spec.draft_tokens > 0 for o in outs) and lm.engine.blocks.num_used == 0

@@ -1,0 +1,47 @@
+"""DraftTree: building a batch from host lists validates it; depths and masks per shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters.tree import DraftTree, ancestor_mask_of, chain, depths_of
+
+
+def test_batch_from_lists_has_offsets_depths_and_probs():
+    trees = [([5, 6, 7], [-1, 0, 0]), ([], []), chain([1, 2])]
+    probs = [torch.full((3, 10), 0.1), None, None]
+    t = DraftTree.from_lists(trees, probs, vocab_size=10)
+    assert t.offsets == (0, 3, 3, 5) and t.sizes() == [3, 0, 2]
+    assert t.tokens.tolist() == [5, 6, 7, 1, 2]
+    assert t.depths.tolist() == [1, 2, 2, 1, 2]
+    assert t.stochastic.tolist() == [True] * 3 + [False] * 2
+    assert t.seq(2) == ([1, 2], [-1, 0])
+
+
+@pytest.mark.parametrize("trees, vocab, message", [
+    ([([1, 2], [-1])], None, "one parent per node"),
+    ([([1, 2], [-1, 1])], None, "parents must come first"),
+    ([([1, 2], [0, -1])], None, "parents must come first"),
+    ([([3, 3], [-1, -1])], None, "proposed twice"),
+    ([([4, 1, 4], [-1, 0, 0])], None, None),  # the same token under different parents is fine
+    ([([1, -2], [-1, 0])], None, "outside the vocabulary"),
+    ([([1, 10], [-1, 0])], 10, "outside the vocabulary"),
+])
+def test_invalid_trees_are_refused(trees, vocab, message):
+    if message is None:
+        DraftTree.from_lists(trees, vocab_size=vocab)
+        return
+    with pytest.raises(ValueError, match=message):
+        DraftTree.from_lists(trees, vocab_size=vocab)
+
+
+def test_depths_and_masks_per_shape():
+    pars = [-1, 0, 0, 1, -1]
+    assert depths_of(pars) == (1, 2, 2, 3, 1)
+    assert depths_of(list(pars)) is depths_of(tuple(pars))  # cached by shape
+    mask = ancestor_mask_of(pars)
+    assert mask.shape == (6, 6)
+    # Node 3 (row 4) sees the root, node 0, node 1 and itself.
+    assert mask[4].tolist() == [True, True, True, False, True, False]
+    assert mask[5].tolist() == [True, False, False, False, False, True]
