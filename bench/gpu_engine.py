@@ -16,6 +16,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from gpu_setup import (
@@ -64,8 +65,17 @@ def graph_vs_eager(engine, res: dict) -> None:
     res["eager_decode_step_ms_b1"] = t_eager * 1e3
 
 
-def run_requests(engine, prompts, spec: dict, max_tokens: int, tag: str):
-    """(output ids per prompt, decode tokens/s after every request has its first token, tau)."""
+class Run(NamedTuple):
+    outputs: list[list[int]]  # token ids per prompt
+    rate: float  # decode tokens/s once every request has its first token, to the end
+    steady_rate: float  # the same while every request runs (until the first one finishes)
+    tau: float  # tokens per verification step
+
+
+def run_requests(engine, prompts, spec: dict, max_tokens: int, tag: str) -> Run:
+    """Greedy requests, all added at once. `steady_rate` leaves out the tail in which requests
+    that are done leave the batch (speculative requests finish at different steps): it is the
+    rate of the batch size asked for, the one the ideal tau / cost describes."""
     from specdec.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
@@ -74,17 +84,27 @@ def run_requests(engine, prompts, spec: dict, max_tokens: int, tag: str):
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
     final, started, t0, base = {}, set(), None, 0
+    steady = None
     emitted = steps = 0
+
+    def produced() -> int:
+        return (sum(len(s.output_token_ids) for s in engine.seqs.values())
+                + sum(len(o.token_ids) for o in final.values()))
+
     while engine.has_unfinished():
-        for out in engine.step():
+        outs = engine.step()
+        for out in outs:
             started.add(out.request_id)
             if out.finished:
                 final[out.request_id] = out
+        if t0 is not None and steady is None and any(o.finished for o in outs):
+            # Up to the outputs just returned, the finishing ones included.
+            torch.cuda.synchronize()
+            steady = (produced() - base) / (time.perf_counter() - t0)
         if t0 is None and len(started) == len(ids):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            base = sum(len(s.output_token_ids) for s in engine.seqs.values())
-            base += sum(len(o.token_ids) for o in final.values())
+            base = produced()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     outs = [final[r].token_ids for r in ids]
@@ -93,7 +113,7 @@ def run_requests(engine, prompts, spec: dict, max_tokens: int, tag: str):
             emitted += final[r].spec.emitted_tokens
             steps += final[r].spec.steps
     rate = (sum(len(o) for o in outs) - base) / dt
-    return outs, rate, (emitted / steps if steps else 1.0)
+    return Run(outs, rate, steady or rate, emitted / steps if steps else 1.0)
 
 
 @torch.no_grad()
@@ -130,19 +150,22 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
         prompts = [torch.randint(low, vocab, (CTX,), generator=g).tolist() for _ in range(batch)]
         # Untimed: the first steps at a new batch size capture graphs and tune kernel tiles.
         run_requests(engine, prompts, {"method": "none"}, 8, f"warmplain{batch}")
-        _, plain_rate, _ = run_requests(engine, prompts, {"method": "none"}, max_tokens,
-                                        f"plain{batch}")
-        row = {"plain_tokens_per_s": plain_rate}
-        log(f"batch {batch} plain: {plain_rate:.1f} tok/s")
+        plain = run_requests(engine, prompts, {"method": "none"}, max_tokens, f"plain{batch}")
+        plain_rate = plain.rate
+        row = {"plain_tokens_per_s": plain_rate, "plain_steady_tokens_per_s": plain.steady_rate}
+        log(f"batch {batch} plain: {plain_rate:.1f} tok/s (steady {plain.steady_rate:.1f})")
+        costs = res.get("verify_cost_ratio", {}).get(str(batch), {})
         for shape, branches in (("chain", 1), ("tree", tree_branches)):
             base = {"method": "replay", "num_speculative_tokens": k, "branches": branches}
             # Record with every proposal rejected: the same tree shape as the replayed runs.
             replay.clear_recorded()
-            recorded, rec_rate, _ = run_requests(engine, prompts, {**base, "corrupt_rate": 1.0},
-                                                 max_tokens, f"rec{batch}{shape}")
-            for p, o in zip(prompts, recorded):
+            rec = run_requests(engine, prompts, {**base, "corrupt_rate": 1.0}, max_tokens,
+                               f"rec{batch}{shape}")
+            for p, o in zip(prompts, rec.outputs):
                 replay.record(p, o)
-            row[f"{shape}_tau1_tokens_per_s"] = rec_rate
+            row[f"{shape}_tau1_tokens_per_s"] = rec.rate
+            rows = 1 + k * branches  # query rows per sequence: its bucket in the cost curve
+            cost = costs.get(str(next(n for n in (2, 4, 8, 16, 32, 64) if n >= rows)))
             if batch > 1:
                 # Untimed: captures the graphs of the smaller batches that appear as requests
                 # finish at different steps, so no capture falls inside a timed run.
@@ -150,12 +173,22 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
                     taus[0], k)}, max_tokens, f"warm{batch}{shape}")
             for tau in taus:
                 rate = replay.rate_for_tau(tau, k)
-                _, r, tau_m = run_requests(engine, prompts, {**base, "corrupt_rate": rate},
-                                           max_tokens, f"s{batch}{shape}{tau}")
-                row[f"{shape}_tau{tau}"] = {"corrupt_rate": rate, "tau_measured": tau_m,
-                                            "tokens_per_s": r, "speedup": r / plain_rate}
-                log(f"batch {batch} {shape} tau {tau}: measured tau {tau_m:.2f}, "
-                    f"{r:.1f} tok/s, speedup {r / plain_rate:.2f}")
+                run = run_requests(engine, prompts, {**base, "corrupt_rate": rate}, max_tokens,
+                                   f"s{batch}{shape}{tau}")
+                cell = {"corrupt_rate": rate, "tau_measured": run.tau,
+                        "tokens_per_s": run.rate, "speedup": run.rate / plain_rate,
+                        "steady_tokens_per_s": run.steady_rate,
+                        "steady_speedup": run.steady_rate / plain.steady_rate}
+                if cost:
+                    cell.update(cost_ratio=cost, ideal=run.tau / cost,
+                                of_ideal=cell["speedup"] * cost / run.tau,
+                                steady_of_ideal=cell["steady_speedup"] * cost / run.tau)
+                row[f"{shape}_tau{tau}"] = cell
+                log(f"batch {batch} {shape} tau {tau}: measured tau {run.tau:.2f}, "
+                    f"{run.rate:.1f} tok/s, speedup {cell['speedup']:.2f} "
+                    f"(steady {cell['steady_speedup']:.2f})"
+                    + (f", {cell['of_ideal']:.0%} / {cell['steady_of_ideal']:.0%} of ideal"
+                       if cost else ""))
         out[str(batch)] = row
         res["speculative"] = out
         if batch > 1 and profile_dir is not None:
@@ -329,15 +362,15 @@ def main() -> None:
 
             prompt = torch.randint(100, engine.runner.vocab_size, (CTX,)).tolist()
             replay.clear_recorded()
-            _, r, _ = run_requests(engine, [prompt], {"method": "none"}, args.max_tokens, "dec")
+            r = run_requests(engine, [prompt], {"method": "none"}, args.max_tokens, "dec").rate
             res["decode_b1_engine_tokens_per_s"] = r
             res["decode_b1_engine_fraction_of_roofline"] = r * floor
             log(f"{name}: engine decode b1 {r:.1f} tok/s = {r * floor:.0%} of roofline")
             # The same without overlapped decoding (specdec/overlap.py): each step read back
             # before the next is launched.
             engine.pipeline.enabled = False
-            _, r0, _ = run_requests(engine, [prompt], {"method": "none"}, args.max_tokens,
-                                    "dec-sync")
+            r0 = run_requests(engine, [prompt], {"method": "none"}, args.max_tokens,
+                              "dec-sync").rate
             engine.pipeline.enabled = True
             res["decode_b1_engine_no_overlap_tokens_per_s"] = r0
             log(f"{name}: engine decode b1 without overlap {r0:.1f} tok/s = "
