@@ -72,14 +72,15 @@ class Run(NamedTuple):
     tau: float  # tokens per verification step
 
 
-def run_requests(engine, prompts, spec: dict, max_tokens: int, tag: str) -> Run:
+def run_requests(engine, prompts, spec: dict, max_tokens: int, tag: str,
+                 temperature: float = 0.0) -> Run:
     """Greedy requests, all added at once. `steady_rate` leaves out the tail in which requests
     that are done leave the batch (speculative requests finish at different steps): it is the
     rate of the batch size asked for, the one the ideal tau / cost describes."""
     from specdec.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            speculative=spec)
+    params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0,
+                            max_tokens=max_tokens, ignore_eos=True, speculative=spec, seed=0)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
@@ -234,6 +235,10 @@ def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> di
     wrap(engine, "_propose", "propose")
     wrap(engine.runner, "execute", "execute (pack, copy, replay, logits)")
     wrap(E, "launch_verification", "launch_verification")
+    import specdec.cuda_graphs as cg
+
+    wrap(cg, "pack_step", "pack_step (in execute)")
+    wrap(torch.cuda.CUDAGraph, "replay", "graph.replay (in execute)")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             speculative=spec)
     ids = [f"prof-{i}" for i in range(len(prompts))]
@@ -375,6 +380,15 @@ def main() -> None:
             res["decode_b1_engine_no_overlap_tokens_per_s"] = r0
             log(f"{name}: engine decode b1 without overlap {r0:.1f} tok/s = "
                 f"{r0 * floor:.0%} of roofline")
+            # Sampled (temperature 1, top-p 0.95, seeded), with and without overlap.
+            for on in (True, False):
+                engine.pipeline.enabled = on
+                rs = run_requests(engine, [prompt], {"method": "none"}, args.max_tokens,
+                                  f"dec-sampled-{on}", temperature=1.0).rate
+                key = "sampled" if on else "sampled_no_overlap"
+                res[f"decode_b1_engine_{key}_tokens_per_s"] = rs
+                log(f"{name}: engine decode b1 {key} {rs:.1f} tok/s = {rs * floor:.0%}")
+            engine.pipeline.enabled = True
             save()
             sb = (1, 16) if mi == 0 else (1,)
             taus = (2, 3, 4, 5) if mi == 0 else (3,)
@@ -407,6 +421,8 @@ def print_table(report: dict) -> None:
         for k in ("decode_b1_roofline_tokens_per_s", "decode_b1_runner_step_fraction_of_roofline",
                   "decode_b1_engine_tokens_per_s", "decode_b1_engine_fraction_of_roofline",
                   "decode_b1_engine_no_overlap_tokens_per_s",
+                  "decode_b1_engine_sampled_tokens_per_s",
+                  "decode_b1_engine_sampled_no_overlap_tokens_per_s",
                   "eager_decode_step_ms_b1", "graph_vs_eager_logits_max_abs_diff",
                   "transformers_generate_b1_tokens_per_s"):
             if k in r:

@@ -124,25 +124,25 @@ class ReplayDrafter(Drafter):
                 truth = cur.future[done:done + r.k]
         rate = float(r.options.get("corrupt_rate", 0.0))
         branches = max(1, int(r.options.get("branches", 1)))
+        rand, other = rng.random, self._other
         tokens: list[int] = []
         parents: list[int] = []
         chain_parent = -1
         for d in range(r.k):
-            if len(tokens) + 1 > r.max_nodes:
+            if len(tokens) >= r.max_nodes:
                 break
             # Past the script (or off it) every guess is a random token: the tree keeps its
             # shape, so a step costs the same whether or not the script still applies.
             t = truth[d] if d < len(truth) else None
-            bad = t is None or rng.random() < rate
-            main = self._other(t, rng, ()) if bad else t
-            level = [main]
+            bad = t is None or rand() < rate
+            level = [other(t, rng, ()) if bad else t]
             placed = not bad
             for _ in range(branches - 1):
-                if not placed and t is not None and rng.random() >= rate:
+                if not placed and t is not None and rand() >= rate:
                     level.append(t)
                     placed = True
                 else:
-                    level.append(self._other(t, rng, level))
+                    level.append(other(t, rng, level))
             level = level[:r.max_nodes - len(tokens)]
             here = len(tokens)
             tokens += level
@@ -155,6 +155,6 @@ class ReplayDrafter(Drafter):
         """A token other than `t` and the tokens in `avoid` (siblings must differ)."""
         vocab = self._vocab or 2 + max([t or 0, *avoid]) + len(avoid)
         while True:
-            x = rng.randrange(vocab)
+            x = int(rng.random() * vocab)  # randrange's cost, without its checks
             if x != t and x not in avoid:
                 return x

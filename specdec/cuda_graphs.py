@@ -123,10 +123,16 @@ def pack_step(
     if q > 1:
         mask = hmask[:lay.nmask].reshape(b, q, q)
         mask[:] = np.eye(q, dtype=bool)
+        # Drafters repeat a few tree shapes and their masks are shared objects
+        # (drafters.tree.ancestor_mask_of): one write per distinct mask, not per segment.
+        groups: dict[int, tuple[Any, list[int]]] = {}
         for i, s in enumerate(segments):
+            key = id(s.mask) if s.mask is not None else -len(s.tokens)
+            groups.setdefault(key, (s, []))[1].append(i)
+        for s, idx in groups.values():
             n = len(s.tokens)
-            mask[i, :n, :n] = (s.mask.numpy() if s.mask is not None
-                               else np.tri(n, dtype=bool))
+            mask[idx, :n, :n] = (s.mask.numpy() if s.mask is not None
+                                 else np.tri(n, dtype=bool))
     return len(rows), offsets
 
 

@@ -51,11 +51,14 @@ def _step_segment(engine: LLMEngine, seq: Sequence, toks: list[int], pars: list[
                    list(seq.block_table), mask=mask, logits_rows=tuple(range(1 + len(toks))))
 
 
-@pytest.mark.parametrize("num_seqs", [1, 2, 3])
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 5])
 def test_padded_step_matches_eager(engine, num_seqs):
     prompts = [[3, 9, 4, 17, 22, 5, 8, 30, 31, 2], [7, 1, 12, 40, 33, 18, 6],
-               [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 1, 2, 3, 4, 5]]
-    trees = [([11, 12, 13], [-1, -1, 0]), ([20, 21], [-1, 0]), ([], [])]
+               [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 1, 2, 3, 4, 5],
+               [8, 6, 4, 2], [9, 9, 8, 8, 7]]
+    # The last two repeat the first two's shapes: segments then share a cached mask (or none).
+    trees = [([11, 12, 13], [-1, -1, 0]), ([20, 21], [-1, 0]), ([], []),
+             ([14, 15, 16], [-1, -1, 0]), ([22, 23], [-1, 0])]
     seqs = [_prefilled(engine, f"s{num_seqs}-{i}", prompts[i], len(trees[i][0]))
             for i in range(num_seqs)]
     segs = [_step_segment(engine, s, *trees[i]) for i, s in enumerate(seqs)]
