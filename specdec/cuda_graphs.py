@@ -172,6 +172,17 @@ class _FixedSplits:
         return paged_attention(q, k_cache, v_cache, meta, scale, num_splits=self.splits)
 
 
+def split_candidates(first: int) -> list[int]:
+    """Split counts timed against the heuristic's `first`: the powers of two from the one at or
+    below first // 4 (or 1) up to, not including, first."""
+    s = 1 << max(0, (first // 4).bit_length() - 1)
+    out = []
+    while s < first:
+        out.append(s)
+        s *= 2
+    return out
+
+
 def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -203,9 +214,13 @@ class GraphRunner:
         self.tune = os.environ.get("SPECDEC_TUNE_GRAPHS", "1") != "0"
         self.tuned: dict[tuple[int, int], dict] = {}  # per bucket: step ms before/after, trials
         self._tuned_keys: set[tuple] = set()
+        self.splits: dict[tuple[int, int], int] = {}  # per bucket: split count chosen by timing
 
     def num_splits(self, b: int, q: int) -> int:
-        """Split-KV partitions for a bucket, sized for the longest context it may see."""
+        """Split-KV partitions for a bucket: the count timed best at its capture, else the
+        heuristic below, sized for the longest context it may see."""
+        if (b, q) in self.splits:
+            return self.splits[(b, q)]
         gp = _pow2(self.hq // self.hkv)
         block_q = max(16, gp, min(64, _pow2(q * gp))) // gp
         programs = b * self.hkv
@@ -280,9 +295,31 @@ class GraphRunner:
             self._forward(lay)
         keys = [k for k in keys if k not in self._tuned_keys]
         graph, hidden = self._graph(lay)
+        if self.tune:
+            graph, hidden = self._tune_splits(lay, graph, hidden)
         if self.tune and keys:
             graph, hidden = self._tune_in_graph(lay, keys, graph, hidden)
         self.graphs[(lay.batch, lay.q)] = (graph, hidden)
+
+    def _tune_splits(self, lay: Layout, graph: torch.cuda.CUDAGraph, hidden: torch.Tensor
+                     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Time the bucket's step with fewer KV splits than the heuristic's (the powers of two
+        from a quarter of it): where the heuristic splits to fill the GPU, the merge and the
+        uneven split lengths can cost more than the parallelism gains (H200: 3 splits at 16
+        sequences of 8 rows 11% slower than 2; bench/gpu_splits.py)."""
+        key = (lay.batch, lay.q)
+        first = self.num_splits(*key)
+        best, kept = self._replay_ms(graph), first
+        for s in split_candidates(first):
+            self.splits[key] = s
+            self._forward(lay)  # compiles this split count's kernels outside the capture
+            g, h = self._graph(lay)
+            t = self._replay_ms(g)
+            if t < best * 0.997:  # past replay noise
+                best, kept, graph, hidden = t, s, g, h
+        self.splits[key] = kept
+        self.tuned.setdefault(key, {})["splits"] = {"heuristic": first, "chosen": kept}
+        return graph, hidden
 
     def _graph(self, lay: Layout) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         torch.cuda.synchronize(self.device)
@@ -320,6 +357,6 @@ class GraphRunner:
                     best, kept, graph, hidden = t, cfg, g, h
             skinny_gemm.set_config(key, kept)
             self._tuned_keys.add(key)
-        self.tuned[(lay.batch, lay.q)] = {"step_ms_alone_tuned": first, "step_ms": best,
-                                          "trials": trials}
+        self.tuned.setdefault((lay.batch, lay.q), {}).update(
+            {"step_ms_alone_tuned": first, "step_ms": best, "trials": trials})
         return graph, hidden

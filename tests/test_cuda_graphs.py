@@ -9,7 +9,13 @@ import torch
 
 from drafters.tree import DraftTree
 from specdec.attention import TorchAttentionBackend, write_kv_ref
-from specdec.cuda_graphs import Layout, pack_step, padded_metadata, pick_bucket
+from specdec.cuda_graphs import (
+    Layout,
+    pack_step,
+    padded_metadata,
+    pick_bucket,
+    split_candidates,
+)
 from specdec.engine import LLMEngine
 from specdec.model_runner import Segment
 from specdec.sampling_params import SamplingParams
@@ -83,6 +89,12 @@ def test_padded_step_matches_eager(engine, num_seqs):
     torch.testing.assert_close(logits, eager.logits, rtol=1e-4, atol=1e-4)
     for s in seqs:
         engine.blocks.free_seq(s)
+
+
+def test_split_candidates_are_fewer_powers_of_two():
+    assert split_candidates(1) == [] and split_candidates(2) == [1]
+    assert split_candidates(3) == [1, 2] and split_candidates(5) == [1, 2, 4]
+    assert split_candidates(32) == [8, 16] and split_candidates(9) == [2, 4, 8]
 
 
 def test_pick_bucket_limits():
