@@ -174,7 +174,11 @@ class _FixedSplits:
 
 def split_candidates(first: int) -> list[int]:
     """Split counts timed against the heuristic's `first`: the powers of two from the one at or
-    below first // 4 (or 1) up to, not including, first."""
+    below first // 4 (or 1) up to, not including, first. None from 16 up (one or two
+    sequences, one KV tile per split): there fewer splits gained nothing measurable on the
+    H200, and each count tried compiles kernel variants, slowing a cold start."""
+    if first >= 16:
+        return []
     s = 1 << max(0, (first // 4).bit_length() - 1)
     out = []
     while s < first:
