@@ -24,9 +24,9 @@ from specdec.detokenizer import IncrementalDetokenizer
 from specdec.model_runner import ModelRunner, Segment
 from specdec.outputs import RequestOutput, SpecMetrics
 from specdec.overlap import DecodePipeline
-from specdec.sampler import RowContext
+from specdec.sampler import row_contexts
 from specdec.sampling_params import SamplingParams
-from specdec.scheduler import ScheduledPrefill, Scheduler, StepPlan
+from specdec.scheduler import Scheduler, StepPlan
 from specdec.sequence import Sequence
 from specdec.spec_control import Candidate, SpeculationController
 from specdec.step_results import (
@@ -331,8 +331,10 @@ class LLMEngine:
             row_offsets.append(out.row_offsets[len(plan.prefills) + j])
             samplers.append((d.seq, d.seq.num_computed))
             rows_params += [d.seq.params] * (1 + len(toks))
-        rows_ctx = (self._row_contexts(completing, plan, trees)
-                    if any(s.params.has_penalties for s, _ in samplers) else None)
+        rows_ctx = None
+        if any(s.params.has_penalties for s, _ in samplers):
+            rows_ctx = row_contexts([p.seq for p in completing], [
+                (d.seq, toks, pars) for d, (toks, pars, _) in zip(plan.decodes, trees)])
         for p in plan.prefills:
             if not p.completes:
                 bm.commit(p.seq, p.seq.num_computed + p.num_tokens)
@@ -340,21 +342,6 @@ class LLMEngine:
             return None
         return launch_verification(self, out, samplers, tree_lists, tree, rows_params, rows_ctx,
                                    row_offsets, plan, launched)
-
-    @staticmethod
-    def _row_contexts(completing: list[ScheduledPrefill], plan: StepPlan,
-                      trees) -> list[RowContext]:
-        """Per logits row, in sampling order: the tokens its penalties see (tree rows add the
-        draft path to their node)."""
-        rows_ctx = [RowContext(p.seq.prompt_token_ids, p.seq.output_token_ids)
-                    for p in completing]
-        for d, (toks, pars, _) in zip(plan.decodes, trees):
-            s = d.seq
-            rows_ctx.append(RowContext(s.prompt_token_ids, s.output_token_ids))
-            for n in range(len(toks)):
-                path = _path(toks, pars, n)
-                rows_ctx.append(RowContext(s.prompt_token_ids, s.output_token_ids + path))
-        return rows_ctx
 
     def _capture_layers(self, plan: StepPlan) -> tuple[int, ...] | None:
         """Union of target layers that this step's drafters need features from; None when
@@ -405,13 +392,4 @@ class LLMEngine:
             self._gens.pop(seq.request_id, None)
             self._spec.pop(seq.request_id, None)
         return out
-
-
-def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
-    """Tokens from the root's child down to `node`, inclusive."""
-    path = []
-    while node >= 0:
-        path.append(tokens[node])
-        node = parents[node]
-    return path[::-1]
 

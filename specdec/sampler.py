@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +30,24 @@ class RowContext:
 
     prompt: Sequence[int]
     output: Sequence[int]  # generated tokens, including draft-path tokens for tree rows
+
+
+def row_contexts(
+    completing: Sequence[Any],  # sequences whose prefill completes: one row each
+    decoding: Sequence[tuple[Any, list[int], list[int]]],  # (sequence, draft tokens, parents)
+) -> list[RowContext]:
+    """Per logits row, in sampling order, the tokens its penalties see: a decode's root row
+    sees the sequence, each draft node's row adds the draft path down to that node."""
+    rows = [RowContext(s.prompt_token_ids, s.output_token_ids) for s in completing]
+    for s, toks, pars in decoding:
+        rows.append(RowContext(s.prompt_token_ids, s.output_token_ids))
+        for n in range(len(toks)):
+            path, node = [], n
+            while node >= 0:
+                path.append(toks[node])
+                node = pars[node]
+            rows.append(RowContext(s.prompt_token_ids, s.output_token_ids + path[::-1]))
+    return rows
 
 
 def apply_penalties(
