@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "shrink it (down to plain decoding) when measured costs say it does "
                         "not pay")
     p.add_argument("--no-overlap", action="store_true",
-                   help="read every decode step back before launching the next (overlap is on "
-                        "by default on CUDA for plain decoding)")
+                   help="read every step back before launching the next (by default on CUDA "
+                        "the next step is launched first, so the host's work overlaps the GPU's)")
     p.add_argument("--log-level", default="info")
     return p
 

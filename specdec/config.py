@@ -66,8 +66,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decode + trees)
     max_waiting: int = 1024  # admission bound; the server answers 429 beyond it
-    # Launch a plain decode step before reading the previous one back (specdec.overlap).
-    # None: on where the device runs asynchronously to the host (CUDA).
+    # Launch the next step before reading the previous one back (LLMEngine.step; plain decodes
+    # chain on device tokens, specdec.overlap). None: on where the device runs asynchronously
+    # to the host (CUDA).
     overlap: bool | None = None
 
 
