@@ -1,0 +1,90 @@
+"""Where a speculative step's host time goes on the GPU machine (bench/gpu_engine.py runs it
+after the batch-16 speculative runs and stores the result as `host_profile_b16`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from gpu_setup import log
+
+
+def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> dict:
+    """Where a speculative step's host time goes, once every request has its first token
+    (untimed run): per step, milliseconds in each engine phase, then a cProfile of the same
+    steps in `path`. The read-back is waiting for the device plus the verdict on host lists; a
+    read-back near zero means the device waited for the host."""
+    import cProfile
+    import io
+    import pstats
+
+    import specdec.engine as E
+    import specdec.step_results as sr
+    from specdec.sampling_params import SamplingParams
+
+    acc: dict[str, float] = {}
+    patched = []
+
+    def wrap(obj, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+        patched.append((obj, name, fn))
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
+        setattr(obj, name, timed)
+
+    wrap(sr, "_read", "read_back")
+    wrap(E, "finish_step", "finish_step (incl. read_back)")
+    wrap(E, "report", "outputs (deferred)")
+    wrap(engine.scheduler, "schedule", "schedule")
+    wrap(engine, "_propose", "propose")
+    wrap(engine.runner, "execute", "execute (pack, copy, replay, logits)")
+    wrap(E, "launch_verification", "launch_verification")
+    import specdec.cuda_graphs as cg
+
+    wrap(cg, "pack_step", "pack_step (in execute)")
+    wrap(torch.cuda.CUDAGraph, "replay", "graph.replay (in execute)")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            speculative=spec)
+    ids = [f"prof-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started.update(o.request_id for o in engine.step())
+    torch.cuda.synchronize()
+    acc.clear()
+    prof = cProfile.Profile()
+    steps, t = 0, time.perf_counter()
+    half = None
+    try:
+        while engine.has_unfinished():
+            if steps == 12:  # the first dozen steps timed plainly, the rest under cProfile
+                half = (steps, time.perf_counter() - t, dict(acc))
+                prof.enable()
+            engine.step()
+            steps += 1
+    finally:
+        prof.disable()
+        for obj, name, fn in patched:
+            setattr(obj, name, fn)
+    if half is None:
+        half = (steps, time.perf_counter() - t, dict(acc))
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(35)
+    st.sort_stats("cumtime").print_stats(45)
+    path.write_text(buf.getvalue())
+    n, wall, phases = half
+    res = {"steps_timed": n, "wall_ms_per_step": wall / n * 1e3,
+           "phase_ms_per_step": {k: v / n * 1e3 for k, v in phases.items()}, "spec": spec,
+           "note": "decode steps only, without the profiler; read-back = waiting for the device "
+                   "+ the verdict on host lists; the cProfile of the later steps is in " +
+                   path.name}
+    log(f"host profile: {res}")
+    return res
