@@ -21,8 +21,10 @@ no neighbours); a tile that wins alone does not always win between the step's ot
 So on a bucket's first capture each matmul's tiles are re-chosen by timing the whole captured
 step with every candidate, one matmul at a time, keeping a change only when the step gets
 faster (`tune`, on unless SPECDEC_TUNE_GRAPHS=0; a few seconds per row count, once: buckets
-with the same rows per step share the choice). `capture_all` does every bucket up front, so
-that no step waits for a capture (the server calls it at start).
+with the same rows per step share the choice). Before that, the bucket's split-KV count is
+chosen the same way among a few counts below the heuristic's (`split_candidates`).
+`capture_all` does every bucket up front, so that no step waits for a capture (the server
+calls it at start).
 """
 
 from __future__ import annotations
