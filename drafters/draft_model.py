@@ -19,8 +19,9 @@ from drafters.tree import DraftTree
 from specdec.block_manager import BlockManager
 from specdec.config import CacheConfig, ModelConfig, resolve_model_config
 from specdec.model_runner import ModelRunner, Segment
-from specdec.sampler import process_logits
+from specdec.sampler import host_to_device, process_logits
 from specdec.sequence import Sequence
+from specdec.verifier import sample_inverse_cdf
 
 
 @register
@@ -91,12 +92,16 @@ class DraftModelDrafter(Drafter):
                     logits_rows=(len(f) - 1,)))
             out = self.runner.execute(segs)
             reqs = [batch[i] for i in active]
-            ctx = None
-            q = process_logits(out.logits, [r.params for r in reqs], ctx)  # [A, V]
+            q = process_logits(out.logits, [r.params for r in reqs], None)  # [A, V]
+            width = max(max(1, int(r.options.get("branches", 1))) for r in reqs)
+            picked = _pick(q, reqs)[:, None]  # [A, 1]
+            if width > 1:  # the next most likely tokens, for siblings
+                picked = torch.cat([picked, q.topk(width, dim=-1).indices], dim=1)
+            host = picked.tolist()  # the depth's one read for the whole batch
             for a, i in enumerate(active):
                 r, s = batch[i], states[i]
                 s.num_computed += len(feed[i])
-                tok = self._pick(q[a], r)
+                tok = host[a][0]
                 branches = max(1, int(r.options.get("branches", 1)))
                 toks, pars = trees[i]
                 parent = last_chain[i]
@@ -105,12 +110,12 @@ class DraftModelDrafter(Drafter):
                 last_chain[i] = len(toks) - 1
                 if branches > 1 or r.params.greedy:
                     probs[i] = []  # deterministic proposals: point masses
-                    alts = [t for t in q[a].topk(branches).indices.tolist() if t != tok]
+                    alts = [t for t in host[a][1:1 + branches] if t != tok]
                     for t in alts[:branches - 1]:
                         toks.append(t)
                         pars.append(parent)
                 else:
-                    probs[i].append(q[a].float().cpu())
+                    probs[i].append(q[a])  # stays on the device, where the verifier reads it
                 feed[i] = [tok]
         for i, s in enumerate(states):
             if live[i]:
@@ -122,11 +127,6 @@ class DraftModelDrafter(Drafter):
         out_probs = [torch.stack(p) if p and len(p) == len(trees[i][0]) else None
                      for i, p in enumerate(probs)]
         return DraftTree.from_lists(trees, out_probs, self.vocab_size)
-
-    def _pick(self, q: torch.Tensor, r: DraftRequest) -> int:
-        if r.params.greedy:
-            return int(q.argmax())
-        return int(torch.multinomial(q.float().cpu(), 1, generator=r.generator))
 
     def accepted(self, request_id: str, num_tokens: int, tokens: list[int]) -> None:
         s = self._seqs.get(request_id)
@@ -146,6 +146,15 @@ class DraftModelDrafter(Drafter):
         s = self._seqs.pop(request_id, None)
         if s is not None:
             self.blocks.free_seq(s)
+
+
+def _pick(q: torch.Tensor, reqs: list[DraftRequest]) -> torch.Tensor:  # [A] int64
+    """Each row's draft token, on q's device: the argmax for a greedy request (its row is a
+    one-hot), else a draw by the inverse CDF of one uniform from the request's own generator."""
+    u = [0.0 if r.params.greedy else float(torch.rand(1, generator=r.generator)) for r in reqs]
+    drawn = sample_inverse_cdf(q, host_to_device(u, torch.float32, q.device))
+    greedy = host_to_device([r.params.greedy for r in reqs], torch.bool, q.device)
+    return torch.where(greedy, q.argmax(dim=-1), drawn)
 
 
 def _chain_nodes(parents: list[int]) -> list[int]:

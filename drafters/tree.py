@@ -28,7 +28,7 @@ class DraftTree:
     # Optional draft distributions: row n is the distribution node n was sampled from (the
     # drafter's distribution at n's parent). Nodes with stochastic[n] False are deterministic
     # proposals (point masses) and their rows are unused.
-    draft_probs: torch.Tensor | None = None  # [N, vocab] float32
+    draft_probs: torch.Tensor | None = None  # [N, vocab] float32, on the drafters' device
     stochastic: torch.Tensor | None = None  # [N] bool
 
     @property
@@ -89,19 +89,21 @@ class DraftTree:
         if probs is not None and any(p is not None for p in probs):
             if vocab_size is None:
                 raise ValueError("vocab_size is needed with draft probabilities")
+            # Rows stay on the drafters' device (the verifier reads them there).
+            dev = next(p.device for p in probs if p is not None)
             rows = []
             flags = []
             for (toks, _), p in zip(trees, probs):
                 if p is None:
-                    rows.append(torch.zeros(len(toks), vocab_size))
+                    rows.append(torch.zeros(len(toks), vocab_size, device=dev))
                     flags += [False] * len(toks)
                 else:
                     if p.shape != (len(toks), vocab_size):
                         raise ValueError(f"draft probs {tuple(p.shape)} != ({len(toks)}, "
                                          f"{vocab_size})")
-                    rows.append(p.float().cpu())
+                    rows.append(p.to(dev, torch.float32))
                     flags += [True] * len(toks)
-            draft_probs = torch.cat(rows) if rows else torch.zeros(0, vocab_size)
+            draft_probs = torch.cat(rows) if rows else torch.zeros(0, vocab_size, device=dev)
             stochastic = torch.tensor(flags, dtype=torch.bool)
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
         return DraftTree(as_long(tokens), as_long(parents), as_long(depths), tuple(offsets),
