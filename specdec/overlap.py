@@ -26,6 +26,7 @@ import torch
 
 from drafters.tree import DraftTree
 from specdec.model_runner import Segment
+from specdec.sampler import HostCopy, device_to_host
 from specdec.step_results import accept_on_device, settle
 
 if TYPE_CHECKING:
@@ -42,8 +43,7 @@ class InFlight:
     seqs: list[Sequence]
     contexts: list[int]  # per sequence, the KV entries present before the step
     tokens: torch.Tensor  # [B] int64, each row's sample, on the model's device
-    host: torch.Tensor  # [B] int64, the copy the host reads (pinned on CUDA)
-    done: Any  # torch.cuda.Event recorded after the copy; None on the CPU
+    host: HostCopy  # the copy the host reads
 
 
 class DecodePipeline:
@@ -74,14 +74,8 @@ class DecodePipeline:
             tokens = accept_on_device(engine, out.logits, params, None, seqs,
                                       DraftTree.empty(len(seqs)),
                                       list(range(len(seqs)))).tokens[:, 0]
-        done = None
-        host = tokens
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        self.in_flight = InFlight(seqs, [g.context_len for g in segments], tokens, host, done)
+        self.in_flight = InFlight(seqs, [g.context_len for g in segments], tokens,
+                                  device_to_host(tokens))
 
     def can_chain(self, engine: LLMEngine) -> bool:
         """True when the next step is the step in flight's batch, one token on, and every
@@ -125,9 +119,7 @@ class DecodePipeline:
 
     @staticmethod
     def _read_back(engine: LLMEngine, f: InFlight, in_flight: int) -> list[RequestOutput]:
-        if f.done is not None:
-            f.done.synchronize()  # the step's one host synchronisation
-        tokens = f.host.tolist()
+        tokens = f.host.tolist()  # the step's one host synchronisation
         now = time.monotonic()
         outputs = []
         for seq, ctx, t in zip(f.seqs, f.contexts, tokens):

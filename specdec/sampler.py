@@ -24,6 +24,31 @@ def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
+@dataclass
+class HostCopy:
+    """A device tensor on its way to the host: a pinned copy queued behind the work that makes
+    it (CUDA), or the tensor itself (CPU). `tolist` waits for the copy, not the whole stream."""
+
+    host: torch.Tensor
+    done: Any  # torch.cuda.Event recorded after the copy; None on the CPU
+
+    def tolist(self) -> list:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+def device_to_host(t: torch.Tensor) -> HostCopy:
+    """Queue `t`'s copy to the host without waiting for it (see HostCopy)."""
+    if not t.is_cuda:
+        return HostCopy(t, None)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return HostCopy(host, done)
+
+
 @dataclass(frozen=True)
 class RowContext:
     """What a logits row's penalties depend on: the tokens before the position it predicts."""

@@ -19,7 +19,9 @@ import torch
 from drafters.tree import DraftTree, depths_of
 from specdec.outputs import RequestOutput, SpecMetrics, TokenLogprob
 from specdec.sampler import (
+    HostCopy,
     RowContext,
+    device_to_host,
     greedy_tokens,
     host_to_device,
     logprobs_of,
@@ -49,8 +51,7 @@ class PendingStep:
     logits: torch.Tensor  # [R, V] raw, each sampler's root row then its nodes' rows
     local_offsets: list[int]  # per sampler, its root's row in `logits`
     greedy: bool  # every row greedy: `result` holds each row's argmax
-    result: torch.Tensor  # host copy (pinned on CUDA): argmax [R], or packed acceptance
-    done: Any  # torch.cuda.Event recorded after the copy; None on the CPU
+    result: HostCopy  # argmax [R], or packed acceptance
     width: int  # acceptance: emitted-token columns per sampler
     launched: float  # time.perf_counter() at launch
 
@@ -88,20 +89,12 @@ def launch_verification(
                                [s for s, _ in samplers], tree, local_offsets)
         width = res.tokens.shape[1]
         result = torch.cat([res.tokens.flatten(), res.num_tokens, res.accepted_nodes.flatten()])
-    done = None
-    if result.is_cuda:
-        host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
-        host.copy_(result, non_blocking=True)
-        result, done = host, torch.cuda.Event()
-        done.record()
     return PendingStep(plan, out, samplers, tree_lists, logits, local_offsets, tree is None,
-                       result, done, width, launched)
+                       device_to_host(result), width, launched)
 
 
 def _read(p: PendingStep) -> tuple[list[list[int]], list[list[int]]]:
     """Per sampler (emitted tokens, accepted local nodes): the step's host synchronisation."""
-    if p.done is not None:
-        p.done.synchronize()
     flat = p.result.tolist()
     if p.greedy:
         return verify_greedy_lists(flat, p.tree_lists, p.local_offsets)
