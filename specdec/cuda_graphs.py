@@ -173,6 +173,15 @@ class _FixedSplits:
 
         return paged_attention(q, k_cache, v_cache, meta, scale, num_splits=self.splits)
 
+    @property
+    def fused_decode(self) -> bool:
+        return getattr(self.inner, "fused_decode", False)
+
+    def decode(self, q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.inner.decode(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
+                                 meta, scale, num_splits=self.splits)
+
 
 def split_candidates(first: int) -> list[int]:
     """Split counts timed against the heuristic's `first`: the powers of two from the one at or

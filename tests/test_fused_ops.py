@@ -138,15 +138,18 @@ def test_fused_linear_past_skinny_rows():
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="the CPU model check runs under the interpreter")
-@pytest.mark.parametrize("rows", [1, 12, 20])
-def test_fused_model_equals_eager(tiny_llama, rows):
+@pytest.mark.parametrize("rows,backend", [(1, "torch"), (12, "torch"), (20, "torch"),
+                                          (12, "triton")])
+def test_fused_model_equals_eager(tiny_llama, rows, backend, monkeypatch):
     """The fused forward (skinny matmuls up to 16 rows, cuBLAS-style past that) gives the eager
-    logits, and writes the same KV: a decode step after it agrees too."""
+    logits, and writes the same KV: a decode step after it agrees too. With the Triton backend
+    that decode step is the fused decode kernel (rotary, KV write and attention in one)."""
     from specdec.engine import LLMEngine
     from specdec.model_runner import Segment
 
     def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        eng = LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"}, num_blocks=8)
+        eng = LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"}, num_blocks=8,
+                                  attention_backend=backend if fused else "torch")
         eng.runner.model.fused = fused
         seg = Segment(list(range(1, rows + 1)), list(range(rows)), list(range(rows)), 0, [0, 1],
                       logits_rows=tuple(range(rows)))
@@ -154,7 +157,14 @@ def test_fused_model_equals_eager(tiny_llama, rows):
         step = Segment([5], [rows], [rows], rows, [0, 1], logits_rows=(0,))
         return first, eng.runner.execute([step]).logits
 
+    from verify_kernels import backend as triton_backend
+
+    calls = []
+    kernel = triton_backend.decode_attention
+    monkeypatch.setattr(triton_backend, "decode_attention",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     eager, fused = run(False), run(True)
+    assert len(calls) == (2 if backend == "triton" else 0)  # the decode step, both layers
     torch.testing.assert_close(fused[0], eager[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fused[1], eager[1], atol=1e-4, rtol=1e-4)
 

@@ -119,9 +119,12 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        rope_write_kv(q, k, v, positions, self.rotary.inv_freq, self.rotary.attention_scaling,
-                      kv[0], kv[1], meta.slot_mapping)
-        o = backend.attend(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
+        inv, rs = self.rotary.inv_freq, self.rotary.attention_scaling
+        if meta.all_decode and getattr(backend, "fused_decode", False):  # rotary + KV inside
+            o = backend.decode(q, k, v, positions, inv, rs, kv[0], kv[1], meta, self.scale)
+        else:
+            rope_write_kv(q, k, v, positions, inv, rs, kv[0], kv[1], meta.slot_mapping)
+            o = backend.attend(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
         fused_linear(o.view(t, self.q_size), self.o_proj.weight, self.o_proj.bias, residual=res)
 
 

@@ -1,0 +1,168 @@
+"""Decode attention on the GPU: the fused decode kernel (rotary + KV write + attention,
+verify_kernels/decode_attention.py) against the two-launch path it replaces (rope_write_kv, then
+the general paged attention), side by side in the same run.
+
+1. Kernels alone: 32 layers' worth of decode attention (Llama-3.1-8B heads, 1k context, each
+   layer on its own KV) in one CUDA graph, per layer, at several batch sizes and split counts.
+2. The whole decode step and the engine (Llama-3.1-8B shape, random weights, bf16) with the
+   fused kernel off and on, alternated: graph step time, its part outside the graph (the LM
+   head and what follows), and engine tokens/s against the roofline.
+
+    PYTHONPATH=. python3 bench/gpu_decode_attn.py --out DIR   (writes DIR/gpu_decode_attn.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_setup as gs
+
+HQ, HKV, D, BS, LAYERS = 32, 8, 128, 16, 32
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Microseconds per call of `fn` (one layer) inside a graph of LAYERS calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(LAYERS):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(LAYERS):
+            fn(i)
+    for _ in range(3):
+        g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps / LAYERS
+
+
+def kernels_at(bsz: int, rows: list) -> None:
+    from specdec.attention import AttentionMetadata
+    from verify_kernels.decode_attention import decode_attention
+    from verify_kernels.fused_ops import rope_write_kv
+    from verify_kernels.paged_attention import paged_attention
+
+    ctx = gs.CTX
+    inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+    per = -(-(ctx + 1) // BS)
+    nb = bsz * per
+    caches = [torch.randn(2, nb, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+              for _ in range(LAYERS)]  # [2, blocks, BS, Hkv, D] per layer
+    qkv = [torch.randn(bsz, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+           for _ in range(LAYERS)]
+    i32 = {"dtype": torch.int32, "device": "cuda"}
+    tables = torch.arange(nb, **i32).view(bsz, per)
+    slots = tables[:, ctx // BS].long() * BS + ctx % BS
+    meta = AttentionMetadata(
+        torch.arange(bsz + 1, **i32), torch.full((bsz,), ctx, **i32),
+        torch.full((bsz,), ctx + 1, **i32), tables, slots, None,
+        torch.full((bsz,), -1, device="cuda"), (1,) * bsz, (ctx,) * bsz, (-1,) * bsz, BS)
+    pos = torch.full((bsz,), ctx, device="cuda")
+
+    def qkv_of(i):
+        x = qkv[i]
+        return (x[:, :HQ * D].view(bsz, HQ, D), x[:, HQ * D:(HQ + HKV) * D].view(bsz, HKV, D),
+                x[:, (HQ + HKV) * D:].view(bsz, HKV, D))
+
+    for splits in (1, 2, 4, 8, 16, 32):
+        if bsz * HKV * splits > 8 * 132 or (bsz >= 16 and splits > 4):
+            continue
+
+        def old(i, splits=splits):
+            q, k, v = qkv_of(i)
+            rope_write_kv(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], slots)
+            paged_attention(q, caches[i][0], caches[i][1], meta, 0.088, num_splits=splits)
+
+        def new(i, splits=splits):
+            q, k, v = qkv_of(i)
+            decode_attention(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088,
+                             num_splits=splits)
+
+        t_old, t_new = graph_us(old), graph_us(new)
+        rows.append({"batch": bsz, "splits": splits, "two_launch_us": t_old, "fused_us": t_new})
+        gs.log(f"b{bsz} splits {splits}: rope+paged {t_old:.2f} us/layer, "
+               f"fused decode {t_new:.2f} us/layer")
+
+
+def kernels(out: dict) -> None:
+    rows: list = []
+    for bsz in (1, 4, 16, 64):
+        kernels_at(bsz, rows)
+    out["kernels_per_layer"] = rows
+
+
+def engine_ab(out: dict, bw: float) -> None:
+    from gpu_engine import run_requests
+
+    tmp = Path(tempfile.mkdtemp())
+    name = "llama-3.1-8b-shape"
+    engine = gs.build_engine(gs.make_model_dir(tmp, name), "triton", num_blocks=2600)
+    engine.runner.kv.normal_()
+    m = engine.runner.model
+    floor = (gs.weight_bytes(m) + gs.kv_bytes(engine.config.model, gs.CTX)) / bw
+    out["roofline_ms"] = floor * 1e3
+    runner = engine.runner
+    backend = runner.backend
+    prompt = torch.randint(100, runner.vocab_size, (gs.CTX,)).tolist()
+    res = []
+    for fused in (True, False, True, False):
+        backend.fused_decode = fused
+        runner.graphs.graphs.clear()  # recaptured with this path (tiles stay as tuned)
+        runner.graphs.splits.clear()
+        row: dict = {"fused_decode": fused}
+        for bsz in (1, 16):
+            segs = gs.step_segments(engine, bsz, 1, gs.CTX)
+            row[f"step_ms_b{bsz}"] = gs.time_steps(engine, segs, iters=40) * 1e3
+            graph, _ = runner.graphs.graphs[(bsz, 1)]
+            row[f"graph_only_ms_b{bsz}"] = runner.graphs._replay_ms(graph, reps=40)
+        row["step_fraction_of_roofline_b1"] = floor * 1e3 / row["step_ms_b1"]
+        r = run_requests(engine, [prompt], {"method": "none"}, 128, f"ab-{fused}-{len(res)}")
+        row["engine_b1_tokens_per_s"] = r.rate
+        row["engine_b1_fraction_of_roofline"] = r.rate * floor
+        r16 = run_requests(engine, [prompt] * 16, {"method": "none"}, 64,
+                           f"ab16-{fused}-{len(res)}")
+        row["engine_b16_tokens_per_s"] = r16.rate
+        gs.log(json.dumps(row))
+        res.append(row)
+    out["engine_ab"] = res
+    out["graph_splits"] = {str(k): v for k, v in runner.graphs.splits.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--skip-kernels", action="store_true")
+    args = ap.parse_args()
+    import triton
+
+    out: dict = {"note": gs.NOTE, "gpu": torch.cuda.get_device_name(0),
+                 "torch": torch.__version__, "triton": triton.__version__,
+                 "context_tokens": gs.CTX}
+    path = Path(args.out)
+    path.mkdir(parents=True, exist_ok=True)
+    bw = gs.copy_bandwidth()
+    out["copy_bandwidth_bytes_per_s"] = bw
+    if not args.skip_kernels:
+        kernels(out)
+        (path / "gpu_decode_attn.json").write_text(json.dumps(out, indent=1))
+    engine_ab(out, bw)
+    (path / "gpu_decode_attn.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

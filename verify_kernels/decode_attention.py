@@ -1,0 +1,274 @@
+"""Decode attention with rotary and the KV write folded in: one launch (plus a merge) per layer.
+
+For a step where every sequence has one query row (plain decoding), the general kernel
+(`paged_attention.py`) is preceded by a rotary + KV-write launch and walks a chain of dependent
+loads (query starts, the owning sequence, its context, the block table, K, then V). At batch 1
+nothing here is bandwidth-bound: a layer's 4 MB of KV at 1k tokens is a microsecond of reading,
+so launches and load latency set the time. This kernel shortens both:
+
+- q and the new k arrive unrotated (straight from the qkv matmul); each program rotates q in
+  registers, and the one program whose KV range holds the new column rotates k, writes k and v
+  to the cache at the step's slot, and scores that column from registers;
+- a program's loads are its context length, then block-table entries, then K and V together.
+
+Split-KV (flash decoding) spreads a sequence's KV over NUM_SPLITS programs per KV head; only the
+splits the context reaches do work, and `_merge_kernel` combines their normalised partials by
+log-sum-exp, reading the context to know how many there are. Rounding follows the unfused path:
+rotated q and k are rounded to the model dtype before the products. The reference is
+`decode_attention_ref` (rotary and KV write, then `specdec.attention.paged_attention_ref`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.attention import AttentionMetadata, paged_attention_ref
+
+__all__ = ["decode_attention", "decode_attention_ref", "decode_splits"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _rotate(x, xp, cos, sign_sin):
+    """x * cos + rotate_half(x) * sin, where xp is x read at (d + HALF) % D."""
+    return x.to(tl.float32) * cos + xp.to(tl.float32) * sign_sin
+
+
+@triton.jit
+def _decode_attn_kernel(
+    out_ptr,  # [B, Hq, D] q dtype (NUM_SPLITS == 1) | [B, Hq, NUM_SPLITS, D] float32 partials
+    lse_ptr,  # [B, Hq, NUM_SPLITS] float32 log2-sum-exp of each partial (split only)
+    q_ptr,  # [B, Hq, D] unrotated
+    k_ptr,  # [B, Hkv, D] unrotated, the step's new keys
+    v_ptr,  # [B, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    context_lens_ptr,  # [B] int32, KV entries before the step (the new column's index)
+    pos_ptr,  # [B] int64
+    slot_ptr,  # [B] int64, negative = padding: nothing written
+    inv_ptr,  # [D / 2] float32 inverse frequencies
+    scale_log2, rope_scaling,
+    stride_qb, stride_qh, stride_kb_new, stride_kh_new, stride_vb_new, stride_vh_new,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    ctx = tl.load(context_lens_ptr + b)
+    # Independent of the context, so issued beside its load: q, the rotary angles.
+    m = tl.arange(0, BLOCK_M)
+    row_ok = m < GROUP
+    head = kvh * GROUP + m
+    d = tl.arange(0, HEAD_DIM)
+    dp = (d + HALF) % HEAD_DIM
+    q_rows = q_ptr + b * stride_qb + head[:, None] * stride_qh
+    qa = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
+    qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
+    freq = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_ptr + d % HALF)
+    cos = tl.cos(freq) * rope_scaling
+    sign_sin = tl.where(d < HALF, -1.0, 1.0) * tl.sin(freq) * rope_scaling
+    q = _rotate(qa, qb, cos[None, :], sign_sin[None, :]).to(qa.dtype)  # [BLOCK_M, D]
+
+    n_all = ctx + 1  # the cached columns and the new one
+    lo = 0
+    hi = n_all
+    if NUM_SPLITS > 1:
+        per = tl.cdiv(tl.cdiv(n_all, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(lo + per, n_all)
+    if lo < hi:  # splits past the context do nothing; the merge skips them
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        cache_hi = tl.minimum(hi, ctx)
+        bt_row = block_tables_ptr + b * stride_bt
+        k_base = k_cache_ptr + kvh * stride_kh
+        v_base = v_cache_ptr + kvh * stride_vh
+        n = tl.arange(0, BLOCK_N)
+        for start in range(lo, cache_hi, BLOCK_N):
+            cols = start + n
+            col_ok = cols < cache_hi
+            page = tl.load(bt_row + cols // BLOCK_SIZE, mask=col_ok, other=0).to(tl.int64)
+            in_page = (cols % BLOCK_SIZE).to(tl.int64)
+            # K and V both depend only on the page: both loads are in flight before the dot.
+            k = tl.load(k_base + page[None, :] * stride_kb + in_page[None, :] * stride_ks
+                        + d[:, None], mask=col_ok[None, :], other=0.0)  # [D, BLOCK_N]
+            v = tl.load(v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs
+                        + d[None, :], mask=col_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+            s = tl.where(col_ok[None, :], s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                                input_precision=DOT_PRECISION)
+            m_i = m_new
+        if ctx < hi:  # this program holds the new column: rotate k, write k and v, score it
+            k_row = k_ptr + b * stride_kb_new + kvh * stride_kh_new
+            kr = _rotate(tl.load(k_row + d), tl.load(k_row + dp), cos, sign_sin)
+            kr = kr.to(q.dtype)  # [D], rounded as the cache stores it
+            v_new = tl.load(v_ptr + b * stride_vb_new + kvh * stride_vh_new + d)  # [D]
+            slot = tl.load(slot_ptr + b)
+            if slot >= 0:
+                page = tl.load(bt_row + ctx // BLOCK_SIZE).to(tl.int64)
+                in_page = ctx % BLOCK_SIZE
+                tl.store(k_base + page * stride_kb + in_page * stride_ks + d,
+                         kr.to(k_cache_ptr.dtype.element_ty))
+                tl.store(v_base + page * stride_vb + in_page * stride_vs + d,
+                         v_new.to(v_cache_ptr.dtype.element_ty))
+            s_new = tl.sum(q.to(tl.float32) * kr.to(tl.float32)[None, :], 1) * scale_log2
+            m_new = tl.maximum(m_i, s_new)  # finite: every row sees its own column
+            p_new = tl.math.exp2(s_new - m_new)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + p_new
+            v_new = v_new.to(q.dtype).to(tl.float32)
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new[None, :]
+            m_i = m_new
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_rows = out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :]
+        if NUM_SPLITS > 1:
+            tl.store(o_rows + split * stride_os, o, mask=row_ok[:, None])
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
+            tl.store(lse_ptr + b * stride_lb + head * stride_lh + split, lse, mask=row_ok)
+        else:
+            tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr,  # [B, Hq, D]
+    part_ptr,  # [B, Hq, NUM_SPLITS, D] float32
+    lse_ptr,  # [B, Hq, NUM_SPLITS] float32
+    context_lens_ptr,  # [B] int32
+    num_heads, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P)
+    d = tl.arange(0, HEAD_DIM)
+    base = b * num_heads + h
+    # Partials and the context are loaded together; splits the context did not reach hold
+    # stale values, dropped by `used` rather than by masking the loads on the context.
+    ctx = tl.load(context_lens_ptr + b)
+    lse = tl.load(lse_ptr + base * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    part = tl.load(part_ptr + (base * NUM_SPLITS + s[:, None]) * HEAD_DIM + d[None, :],
+                   mask=(s < NUM_SPLITS)[:, None], other=0.0)  # [SPLITS_P, D]
+    per = tl.cdiv(tl.cdiv(ctx + 1, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    used = s * per < ctx + 1
+    lse = tl.where(used, lse, float("-inf"))
+    w = tl.math.exp2(lse - tl.max(lse, 0))  # [SPLITS_P], every used split is non-empty
+    part = tl.where(used[:, None], part, 0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def block_n_for(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
+    """Split-KV count: about two programs per SM, one KV tile each at the longest context."""
+    programs = batch * num_kv_heads
+    if programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), -(-max_seq_len // 64), 32))
+
+
+def supported(q: torch.Tensor, inv_freq: torch.Tensor) -> bool:
+    """Head dims that are powers of two with a full rotary (the kernel's layout)."""
+    d = q.shape[-1]
+    return d >= 16 and d & (d - 1) == 0 and inv_freq.shape == (d // 2,)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D] unrotated
+    k: torch.Tensor,  # [B, Hkv, D] unrotated
+    v: torch.Tensor,  # [B, Hkv, D]
+    positions: torch.Tensor,  # [B] int64
+    inv_freq: torch.Tensor,  # [D / 2] float32
+    rope_scaling: float,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,  # one query row per sequence
+    scale: float | None = None,
+    num_splits: int = 1,
+) -> torch.Tensor:  # [B, Hq, D] in q's dtype
+    """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
+    sequence's one query row over its context and itself. Reads nothing from the device on
+    the host: `num_splits` is the caller's (a graph fixes it per bucket)."""
+    bsz, hq, d = q.shape
+    _, bs, hkv, dk = k_cache.shape
+    assert meta.num_seqs == bsz and all(x == 1 for x in meta.q_lens_host), "one row per sequence"
+    assert k.shape == (bsz, hkv, d) and v.shape == (bsz, hkv, d), "q, k, v shapes"
+    assert dk == d and hq % hkv == 0 and bs == meta.block_size and v_cache.shape == k_cache.shape
+    assert supported(q, inv_freq) and inv_freq.dtype == torch.float32
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert positions.shape == (bsz,) and positions.dtype == torch.int64
+    assert meta.slot_mapping.shape == (bsz,) and meta.slot_mapping.dtype == torch.int64
+    assert meta.context_lens.dtype == torch.int32 and meta.block_tables.dtype == torch.int32
+    assert meta.block_tables.stride(1) == 1 and num_splits >= 1
+    dev = q.device
+    out = torch.empty((bsz, hq, d), dtype=q.dtype, device=dev)
+    if bsz == 0:
+        return out
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    group = hq // hkv
+    block_n = block_n_for(d)
+    if num_splits > 1:
+        part = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=dev)
+        lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=dev)
+        dst, so, ls = part, (hq * num_splits * d, num_splits * d, d), (hq * num_splits,
+                                                                       num_splits)
+    else:
+        lse = out  # unused
+        dst, so, ls = out, (hq * d, d, 0), (0, 0)
+    _decode_attn_kernel[(bsz, hkv, num_splits)](
+        dst, lse, q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens, positions,
+        meta.slot_mapping, inv_freq, scale * _LOG2E, rope_scaling,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *so, *ls,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        HEAD_DIM=d, GROUP=group, BLOCK_M=max(16, _next_pow2(group)), BLOCK_N=block_n,
+        BLOCK_SIZE=bs, NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=4,
+    )
+    if num_splits > 1:
+        _merge_kernel[(bsz, hq)](
+            out, part, lse, meta.context_lens, hq, hq * d, d,
+            HEAD_DIM=d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            SPLITS_P=_next_pow2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def decode_attention_ref(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache, meta,
+                         scale=None):
+    from specdec.attention import write_kv_ref
+    from verify_kernels.fused_ops import rope_ref
+
+    qr = rope_ref(q, positions, inv_freq, rope_scaling)
+    kr = rope_ref(k, positions, inv_freq, rope_scaling)
+    keep = meta.slot_mapping >= 0
+    write_kv_ref(kr[keep], v[keep], k_cache, v_cache, meta.slot_mapping[keep])
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return paged_attention_ref(qr, k_cache, v_cache, meta, scale)
