@@ -88,15 +88,17 @@ def kernels_at(bsz: int, rows: list) -> None:
             rope_write_kv(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], slots)
             paged_attention(q, caches[i][0], caches[i][1], meta, 0.088, num_splits=splits)
 
-        def new(i, splits=splits):
+        def new(i, splits=splits, fold=True):
             q, k, v = qkv_of(i)
             decode_attention(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088,
-                             num_splits=splits)
+                             num_splits=splits, fold_merge=fold)
 
         t_old, t_new = graph_us(old), graph_us(new)
-        rows.append({"batch": bsz, "splits": splits, "two_launch_us": t_old, "fused_us": t_new})
-        gs.log(f"b{bsz} splits {splits}: rope+paged {t_old:.2f} us/layer, "
-               f"fused decode {t_new:.2f} us/layer")
+        t_sep = graph_us(lambda i, splits=splits: new(i, splits, False))
+        rows.append({"batch": bsz, "splits": splits, "two_launch_us": t_old,
+                     "fused_folded_merge_us": t_new, "fused_merge_launch_us": t_sep})
+        gs.log(f"b{bsz} splits {splits}: rope+paged {t_old:.2f} us/layer, fused decode "
+               f"{t_new:.2f} (merge folded) {t_sep:.2f} (merge launched)")
 
 
 def kernels(out: dict) -> None:
@@ -120,27 +122,76 @@ def engine_ab(out: dict, bw: float) -> None:
     backend = runner.backend
     prompt = torch.randint(100, runner.vocab_size, (gs.CTX,)).tolist()
     res = []
-    for fused in (True, False, True, False):
-        backend.fused_decode = fused
+    modes = {"fused_folded": (True, True), "two_launch": (False, True),
+             "fused_merge_launch": (True, False)}
+    for mode in list(modes) * 2:
+        backend.fused_decode, backend.fold_merge = modes[mode]
         runner.graphs.graphs.clear()  # recaptured with this path (tiles stay as tuned)
         runner.graphs.splits.clear()
-        row: dict = {"fused_decode": fused}
+        row: dict = {"mode": mode}
         for bsz in (1, 16):
             segs = gs.step_segments(engine, bsz, 1, gs.CTX)
             row[f"step_ms_b{bsz}"] = gs.time_steps(engine, segs, iters=40) * 1e3
             graph, _ = runner.graphs.graphs[(bsz, 1)]
             row[f"graph_only_ms_b{bsz}"] = runner.graphs._replay_ms(graph, reps=40)
         row["step_fraction_of_roofline_b1"] = floor * 1e3 / row["step_ms_b1"]
-        r = run_requests(engine, [prompt], {"method": "none"}, 128, f"ab-{fused}-{len(res)}")
+        r = run_requests(engine, [prompt], {"method": "none"}, 128, f"ab-{len(res)}")
         row["engine_b1_tokens_per_s"] = r.rate
         row["engine_b1_fraction_of_roofline"] = r.rate * floor
-        r16 = run_requests(engine, [prompt] * 16, {"method": "none"}, 64,
-                           f"ab16-{fused}-{len(res)}")
+        r16 = run_requests(engine, [prompt] * 16, {"method": "none"}, 64, f"ab16-{len(res)}")
         row["engine_b16_tokens_per_s"] = r16.rate
         gs.log(json.dumps(row))
         res.append(row)
     out["engine_ab"] = res
     out["graph_splits"] = {str(k): v for k, v in runner.graphs.splits.items()}
+    backend.fused_decode, backend.fold_merge = True, True
+    out["engine_timeline_b1"] = timeline(engine, prompt)
+
+
+def timeline(engine, prompt: list[int], steps: int = 30) -> dict:
+    """GPU activity of `steps` engine steps of plain batch-1 decoding, in steady state: kernel
+    time against the span they cover, time outside graphs by kernel, and the largest idle gaps
+    with the kernels on either side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specdec.sampling_params import SamplingParams
+
+    engine.add_request("tl", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 60,
+                                                         ignore_eos=True))
+    for _ in range(30):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    if not ev:
+        return {"error": "no CUDA events recorded"}
+    span = ev[-1].time_range.end - ev[0].time_range.start
+    busy = sum(e.time_range.end - e.time_range.start for e in ev)
+    gaps = []
+    for a, b in zip(ev, ev[1:]):
+        g = b.time_range.start - a.time_range.end
+        if g > 3:
+            gaps.append((g, a.name[:60], b.name[:60]))
+    gaps.sort(reverse=True)
+    by_name: dict = {}
+    for e in ev:
+        k = e.name[:60]
+        t, n = by_name.get(k, (0.0, 0))
+        by_name[k] = (t + (e.time_range.end - e.time_range.start) / steps, n + 1 / steps)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+    out = {"steps": steps, "span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
+           "events_per_step": len(ev) / steps,
+           "gaps_over_3us_per_step": sum(g for g, _, _ in gaps) / steps,
+           "largest_gaps": gaps[:20],
+           "kernels_us_per_step": {k: {"us": t, "count": n} for k, (t, n) in top}}
+    gs.log(json.dumps({k: v for k, v in out.items() if k != "kernels_us_per_step"})[:1500])
+    return out
 
 
 def main() -> None:

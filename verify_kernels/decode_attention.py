@@ -41,8 +41,10 @@ def _rotate(x, xp, cos, sign_sin):
 
 @triton.jit
 def _decode_attn_kernel(
-    out_ptr,  # [B, Hq, D] q dtype (NUM_SPLITS == 1) | [B, Hq, NUM_SPLITS, D] float32 partials
+    out_ptr,  # [B, Hq, D] q dtype
+    part_ptr,  # [B, Hq, NUM_SPLITS, D] float32 normalised partials (split only)
     lse_ptr,  # [B, Hq, NUM_SPLITS] float32 log2-sum-exp of each partial (split only)
+    count_ptr,  # [>= B * Hkv] int32 zeros: splits done per (sequence, KV head) (FOLD only)
     q_ptr,  # [B, Hq, D] unrotated
     k_ptr,  # [B, Hkv, D] unrotated, the step's new keys
     v_ptr,  # [B, Hkv, D]
@@ -55,11 +57,11 @@ def _decode_attn_kernel(
     inv_ptr,  # [D / 2] float32 inverse frequencies
     scale_log2, rope_scaling,
     stride_qb, stride_qh, stride_kb_new, stride_kh_new, stride_vb_new, stride_vh_new,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SPLITS_P: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -138,13 +140,47 @@ def _decode_attn_kernel(
             acc = acc * alpha[:, None] + p_new[:, None] * v_new[None, :]
             m_i = m_new
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_rows = out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :]
         if NUM_SPLITS > 1:
-            tl.store(o_rows + split * stride_os, o, mask=row_ok[:, None])
+            p_rows = part_ptr + b * stride_pb + head[:, None] * stride_ph + d[None, :]
+            tl.store(p_rows + split * stride_ps, o, mask=row_ok[:, None])
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
             tl.store(lse_ptr + b * stride_lb + head * stride_lh + split, lse, mask=row_ok)
+            if FOLD:
+                # The last split of this (sequence, KV head) to finish merges them all: every
+                # thread's stores are issued (barrier) and released with the count before it.
+                tl.debug_barrier()
+                counter = count_ptr + b * tl.num_programs(1) + kvh
+                done = tl.atomic_add(counter, 1, sem="acq_rel")
+                if done == tl.cdiv(n_all, per) - 1:
+                    tl.atomic_xchg(counter, 0)  # zero again for the next launch
+                    for g in tl.static_range(GROUP):
+                        _merge_row(out_ptr + b * stride_ob + (kvh * GROUP + g) * stride_oh,
+                                   part_ptr + b * stride_pb + (kvh * GROUP + g) * stride_ph,
+                                   lse_ptr + b * stride_lb + (kvh * GROUP + g) * stride_lh,
+                                   ctx, stride_ps, HEAD_DIM, BLOCK_N, NUM_SPLITS, SPLITS_P)
         else:
+            o_rows = out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :]
             tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_row(out_row, part_row, lse_row, ctx, stride_ps, HEAD_DIM: tl.constexpr,
+               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+    """One head's output from its splits' partials ([NUM_SPLITS, D] at part_row, their
+    log2-sum-exps at lse_row). Splits the context did not reach hold stale values: they are
+    dropped by `used`, not by masking the loads on the context, so no load waits for it."""
+    s = tl.arange(0, SPLITS_P)
+    d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_row + s, mask=s < NUM_SPLITS, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(part_row + s[:, None] * stride_ps + d[None, :],
+                   mask=(s < NUM_SPLITS)[:, None], other=0.0, cache_modifier=".cg")
+    per = tl.cdiv(tl.cdiv(ctx + 1, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    used = s * per < ctx + 1
+    lse = tl.where(used, lse, float("-inf"))
+    w = tl.math.exp2(lse - tl.max(lse, 0))  # [SPLITS_P], every used split is non-empty
+    part = tl.where(used[:, None], part, 0.0)  # [SPLITS_P, D]
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_row + d, o.to(out_row.dtype.element_ty))
 
 
 @triton.jit
@@ -153,28 +189,15 @@ def _merge_kernel(
     part_ptr,  # [B, Hq, NUM_SPLITS, D] float32
     lse_ptr,  # [B, Hq, NUM_SPLITS] float32
     context_lens_ptr,  # [B] int32
-    num_heads, stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_P)
-    d = tl.arange(0, HEAD_DIM)
-    base = b * num_heads + h
-    # Partials and the context are loaded together; splits the context did not reach hold
-    # stale values, dropped by `used` rather than by masking the loads on the context.
-    ctx = tl.load(context_lens_ptr + b)
-    lse = tl.load(lse_ptr + base * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
-    part = tl.load(part_ptr + (base * NUM_SPLITS + s[:, None]) * HEAD_DIM + d[None, :],
-                   mask=(s < NUM_SPLITS)[:, None], other=0.0)  # [SPLITS_P, D]
-    per = tl.cdiv(tl.cdiv(ctx + 1, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    used = s * per < ctx + 1
-    lse = tl.where(used, lse, float("-inf"))
-    w = tl.math.exp2(lse - tl.max(lse, 0))  # [SPLITS_P], every used split is non-empty
-    part = tl.where(used[:, None], part, 0.0)
-    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    _merge_row(out_ptr + b * stride_ob + h * stride_oh, part_ptr + b * stride_pb + h * stride_ph,
+               lse_ptr + b * stride_lb + h * stride_lh, tl.load(context_lens_ptr + b),
+               stride_ps, HEAD_DIM, BLOCK_N, NUM_SPLITS, SPLITS_P)
 
 
 def _next_pow2(x: int) -> int:
@@ -211,10 +234,12 @@ def decode_attention(
     meta: AttentionMetadata,  # one query row per sequence
     scale: float | None = None,
     num_splits: int = 1,
+    fold_merge: bool = True,
 ) -> torch.Tensor:  # [B, Hq, D] in q's dtype
     """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
     sequence's one query row over its context and itself. Reads nothing from the device on
-    the host: `num_splits` is the caller's (a graph fixes it per bucket)."""
+    the host: `num_splits` is the caller's (a graph fixes it per bucket). `fold_merge`: the
+    last split to finish merges the partials (no second launch)."""
     bsz, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
     assert meta.num_seqs == bsz and all(x == 1 for x in meta.q_lens_host), "one row per sequence"
@@ -234,31 +259,45 @@ def decode_attention(
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     group = hq // hkv
     block_n = block_n_for(d)
-    if num_splits > 1:
-        part = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=dev)
-        lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=dev)
-        dst, so, ls = part, (hq * num_splits * d, num_splits * d, d), (hq * num_splits,
-                                                                       num_splits)
-    else:
-        lse = out  # unused
-        dst, so, ls = out, (hq * d, d, 0), (0, 0)
-    _decode_attn_kernel[(bsz, hkv, num_splits)](
-        dst, lse, q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens, positions,
-        meta.slot_mapping, inv_freq, scale * _LOG2E, rope_scaling,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *so, *ls,
+    splits = num_splits
+    fold = fold_merge and splits > 1 and bsz * hkv <= _COUNTERS_SIZE
+    part = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=dev) if splits > 1 else out
+    lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=dev) if splits > 1 else out
+    counts = _counters(dev) if fold else lse
+    ps = (hq * splits * d, splits * d, d) if splits > 1 else (0, 0, 0)
+    ls = (hq * splits, splits) if splits > 1 else (0, 0)
+    _decode_attn_kernel[(bsz, hkv, splits)](
+        out, part, lse, counts, q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens,
+        positions, meta.slot_mapping, inv_freq, scale * _LOG2E, rope_scaling,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), *ps, *ls,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         HEAD_DIM=d, GROUP=group, BLOCK_M=max(16, _next_pow2(group)), BLOCK_N=block_n,
-        BLOCK_SIZE=bs, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=bs, NUM_SPLITS=splits, SPLITS_P=_next_pow2(splits), FOLD=fold,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=4,
     )
-    if num_splits > 1:
+    if splits > 1 and not fold:
         _merge_kernel[(bsz, hq)](
-            out, part, lse, meta.context_lens, hq, hq * d, d,
-            HEAD_DIM=d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            SPLITS_P=_next_pow2(num_splits), num_warps=4,
+            out, part, lse, meta.context_lens, out.stride(0), out.stride(1), *ps, *ls,
+            HEAD_DIM=d, BLOCK_N=block_n, NUM_SPLITS=splits, SPLITS_P=_next_pow2(splits),
+            num_warps=4,
         )
     return out
+
+
+# Split counters for the folded merge: zeros that each launch leaves zero again. One buffer per
+# device for the process, allocated on first use (outside any graph capture: the graph runner
+# runs every step eagerly once before capturing it), so captured graphs keep a valid address.
+_COUNTERS_SIZE = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(dev: torch.device) -> torch.Tensor:  # [_COUNTERS_SIZE] int32
+    c = _COUNTERS.get(dev)
+    if c is None:
+        c = _COUNTERS[dev] = torch.zeros(_COUNTERS_SIZE, dtype=torch.int32, device=dev)
+    return c
 
 
 def decode_attention_ref(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache, meta,
