@@ -88,17 +88,15 @@ def kernels_at(bsz: int, rows: list) -> None:
             rope_write_kv(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], slots)
             paged_attention(q, caches[i][0], caches[i][1], meta, 0.088, num_splits=splits)
 
-        def new(i, splits=splits, fold=True):
+        def new(i, splits=splits):
             q, k, v = qkv_of(i)
             decode_attention(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088,
-                             num_splits=splits, fold_merge=fold)
+                             num_splits=splits)
 
         t_old, t_new = graph_us(old), graph_us(new)
-        t_sep = graph_us(lambda i, splits=splits: new(i, splits, False))
-        rows.append({"batch": bsz, "splits": splits, "two_launch_us": t_old,
-                     "fused_folded_merge_us": t_new, "fused_merge_launch_us": t_sep})
-        gs.log(f"b{bsz} splits {splits}: rope+paged {t_old:.2f} us/layer, fused decode "
-               f"{t_new:.2f} (merge folded) {t_sep:.2f} (merge launched)")
+        rows.append({"batch": bsz, "splits": splits, "two_launch_us": t_old, "fused_us": t_new})
+        gs.log(f"b{bsz} splits {splits}: rope+paged {t_old:.2f} us/layer, "
+               f"fused decode {t_new:.2f} us/layer")
 
 
 def kernels(out: dict) -> None:
@@ -122,10 +120,8 @@ def engine_ab(out: dict, bw: float) -> None:
     backend = runner.backend
     prompt = torch.randint(100, runner.vocab_size, (gs.CTX,)).tolist()
     res = []
-    modes = {"fused_folded": (True, True), "two_launch": (False, True),
-             "fused_merge_launch": (True, False)}
-    for mode in list(modes) * 2:
-        backend.fused_decode, backend.fold_merge = modes[mode]
+    for mode in ("fused", "two_launch") * 2:
+        backend.fused_decode = mode == "fused"
         runner.graphs.graphs.clear()  # recaptured with this path (tiles stay as tuned)
         runner.graphs.splits.clear()
         row: dict = {"mode": mode}
@@ -144,7 +140,7 @@ def engine_ab(out: dict, bw: float) -> None:
         res.append(row)
     out["engine_ab"] = res
     out["graph_splits"] = {str(k): v for k, v in runner.graphs.splits.items()}
-    backend.fused_decode, backend.fold_merge = True, True
+    backend.fused_decode = True
     out["engine_timeline_b1"] = timeline(engine, prompt)
 
 
@@ -185,12 +181,22 @@ def timeline(engine, prompt: list[int], steps: int = 30) -> dict:
         t, n = by_name.get(k, (0.0, 0))
         by_name[k] = (t + (e.time_range.end - e.time_range.start) / steps, n + 1 / steps)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+    # One step in order (from one argmax to the next): each kernel or copy, its time and the
+    # idle time before it, to see which of a layer's launches run below the bandwidth.
+    marks = [i for i, e in enumerate(ev) if "argmax" in e.name or "_pick_kernel" in e.name]
+    one = []
+    if len(marks) >= 3:
+        for a, b in zip(ev[marks[1]:marks[2]], ev[marks[1] + 1:marks[2] + 1]):
+            one.append((b.name[:40], round(b.time_range.end - b.time_range.start, 2),
+                        round(b.time_range.start - a.time_range.end, 2)))
     out = {"steps": steps, "span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
            "events_per_step": len(ev) / steps,
            "gaps_over_3us_per_step": sum(g for g, _, _ in gaps) / steps,
            "largest_gaps": gaps[:20],
-           "kernels_us_per_step": {k: {"us": t, "count": n} for k, (t, n) in top}}
-    gs.log(json.dumps({k: v for k, v in out.items() if k != "kernels_us_per_step"})[:1500])
+           "kernels_us_per_step": {k: {"us": t, "count": n} for k, (t, n) in top},
+           "one_step_in_order": one}
+    gs.log(json.dumps({k: v for k, v in out.items()
+                       if k not in ("kernels_us_per_step", "one_step_in_order")})[:1500])
     return out
 
 

@@ -2,8 +2,8 @@
 
 A step qualifies when its segments fit a bucket (B sequences, Q query rows each): every segment
 is padded to Q rows and the batch to B sequences, so one captured graph serves every step of
-that shape. Graph inputs live in static device buffers that are filled, once per step, by three
-non-blocking copies from pinned host buffers; the attention kernel reads the step's metadata
+that shape. Graph inputs live in a static device buffer that is filled, once per step, by one
+non-blocking copy from a pinned host buffer; the attention kernel reads the step's metadata
 from device memory, so with its grid and split count fixed per bucket a replay is exact.
 
 Padding, and why it is harmless:
@@ -72,6 +72,23 @@ class Layout:
     @property
     def rows_at(self) -> int:
         return 3 * self.tokens + self.batch
+
+    # One staging area per step, copied to the device in one transfer (each transfer costs the
+    # GPU several microseconds between kernels): int64 part, then int32, then the masks.
+    @property
+    def at32(self) -> int:  # byte offset of the int32 part
+        return 8 * self.n64
+
+    @property
+    def at_mask(self) -> int:
+        return self.at32 + 4 * self.n32
+
+    @property
+    def nbytes(self) -> int:
+        return self.at_mask + self.nmask
+
+
+Outputs = tuple[torch.Tensor, "torch.Tensor | None"]  # a graph's hidden states, logits
 
 
 def pick_bucket(segments: list[Any], width: int, block_size: int,
@@ -213,17 +230,13 @@ class GraphRunner:
         self.hq, self.hkv = attn.num_heads, attn.num_kv_heads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         mb, mt, mq = max(BATCH_SIZES), MAX_GRAPH_TOKENS, max(TOKENS_PER_SEQ)
-        n64, n32, nm = 4 * mt + mb, 3 * mb + 1 + mb * width, mt * mq
-        self.h64 = torch.zeros(n64, dtype=torch.int64, pin_memory=True)
-        self.h32 = torch.zeros(n32, dtype=torch.int32, pin_memory=True)
-        self.hmask = torch.zeros(nm, dtype=torch.bool, pin_memory=True)
-        self.d64 = torch.zeros(n64, dtype=torch.int64, device=device)
-        self.d32 = torch.zeros(n32, dtype=torch.int32, device=device)
-        self.dmask = torch.zeros(nm, dtype=torch.bool, device=device)
+        most = 8 * (4 * mt + mb) + 4 * (3 * mb + 1 + mb * width) + mt * mq  # >= any nbytes
+        self.hbuf = torch.zeros(most, dtype=torch.uint8, pin_memory=True)
+        self.dbuf = torch.zeros(most, dtype=torch.uint8, device=device)
         self._copied = torch.cuda.Event()
         self._copied.record()
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         self.replays = 0
         self.eager_steps = 0
         self.tune = os.environ.get("SPECDEC_TUNE_GRAPHS", "1") != "0"
@@ -256,24 +269,28 @@ class GraphRunner:
             self.eager_steps += 1
             return None
         lay = Layout(key[0], key[1], self.width)
-        self._copied.synchronize()  # the previous step's copies have read the pinned buffers
-        n_rows, offsets = pack_step(segments, lay, self.h64.numpy(), self.h32.numpy(),
-                                    self.hmask.numpy())
-        self.d64[:lay.n64].copy_(self.h64[:lay.n64], non_blocking=True)
-        self.d32[:lay.n32].copy_(self.h32[:lay.n32], non_blocking=True)
-        if lay.nmask:
-            self.dmask[:lay.nmask].copy_(self.hmask[:lay.nmask], non_blocking=True)
+        self._copied.synchronize()  # the previous step's copy has read the pinned buffer
+        h64, h32, hmask = self._views(self.hbuf, lay)
+        n_rows, offsets = pack_step(segments, lay, h64.numpy(), h32.numpy(), hmask.numpy())
+        self.dbuf[:lay.nbytes].copy_(self.hbuf[:lay.nbytes], non_blocking=True)
         self._copied.record()
+        d64 = self._views(self.dbuf, lay)[0]
         if token_source is not None:
             assert lay.q == 1, "token_source needs one-row segments"
-            self.d64[:len(segments)].copy_(token_source)  # after the staged ids, same stream
+            d64[:len(segments)].copy_(token_source)  # after the staged ids, same stream
         if key not in self.graphs:
             self._capture(lay)
-        graph, hidden = self.graphs[key]
+        graph, (hidden, logits) = self.graphs[key]
         graph.replay()
         self.replays += 1
-        idx = self.d64[lay.rows_at:lay.rows_at + n_rows]
+        if logits is not None and n_rows == len(segments):  # one row each, in order
+            # Views of the graph's memory, valid until its next replay: whatever reads them is
+            # queued on the stream before the engine launches another step.
+            return StepOutput(logits[:n_rows], hidden[:n_rows], offsets)
+        idx = d64[lay.rows_at:lay.rows_at + n_rows]
         h = hidden.index_select(0, idx)  # [rows, hidden], outside the graph's memory
+        if logits is not None:
+            return StepOutput(logits.index_select(0, idx), h, offsets)
         return StepOutput(self.model.compute_logits(h), h, offsets)
 
     @torch.inference_mode()
@@ -294,11 +311,19 @@ class GraphRunner:
         torch.cuda.synchronize(self.device)
         return n
 
-    def _forward(self, lay: Layout) -> torch.Tensor:  # [T, hidden]
-        ids, pos, meta = padded_metadata(lay, self.d64, self.d32, self.dmask, self.block_size)
+    @staticmethod
+    def _views(buf: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(int64, int32, mask) parts of a staging buffer in `lay`'s layout."""
+        return (buf[:lay.at32].view(torch.int64), buf[lay.at32:lay.at_mask].view(torch.int32),
+                buf[lay.at_mask:lay.nbytes].view(torch.bool))
+
+    def _forward(self, lay: Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([T, hidden], and with one row per sequence its [T, V] logits: the LM head joins
+        the graph where every row has logits)."""
+        ids, pos, meta = padded_metadata(lay, *self._views(self.dbuf, lay), self.block_size)
         backend = _FixedSplits(self.backend, self.num_splits(lay.batch, lay.q))
         hidden, _ = self.model(ids, pos, meta, self.kv, backend)
-        return hidden
+        return hidden, self.model.compute_logits(hidden) if lay.q == 1 else None
 
     def _capture(self, lay: Layout) -> None:
         from verify_kernels import skinny_gemm
@@ -309,15 +334,15 @@ class GraphRunner:
         with skinny_gemm.recording_keys() as keys:
             self._forward(lay)
         keys = [k for k in keys if k not in self._tuned_keys]
-        graph, hidden = self._graph(lay)
+        graph, outs = self._graph(lay)
         if self.tune:
-            graph, hidden = self._tune_splits(lay, graph, hidden)
+            graph, outs = self._tune_splits(lay, graph, outs)
         if self.tune and keys:
-            graph, hidden = self._tune_in_graph(lay, keys, graph, hidden)
-        self.graphs[(lay.batch, lay.q)] = (graph, hidden)
+            graph, outs = self._tune_in_graph(lay, keys, graph, outs)
+        self.graphs[(lay.batch, lay.q)] = (graph, outs)
 
-    def _tune_splits(self, lay: Layout, graph: torch.cuda.CUDAGraph, hidden: torch.Tensor
-                     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _tune_splits(self, lay: Layout, graph: torch.cuda.CUDAGraph, outs: Outputs
+                     ) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         """Time the bucket's step with fewer KV splits than the heuristic's (the powers of two
         from a quarter of it): where the heuristic splits to fill the GPU, the merge and the
         uneven split lengths can cost more than the parallelism gains (H200: 3 splits at 16
@@ -328,20 +353,20 @@ class GraphRunner:
         for s in split_candidates(first):
             self.splits[key] = s
             self._forward(lay)  # compiles this split count's kernels outside the capture
-            g, h = self._graph(lay)
+            g, o = self._graph(lay)
             t = self._replay_ms(g)
             if t < best * 0.997:  # past replay noise
-                best, kept, graph, hidden = t, s, g, h
+                best, kept, graph, outs = t, s, g, o
         self.splits[key] = kept
         self.tuned.setdefault(key, {})["splits"] = {"heuristic": first, "chosen": kept}
-        return graph, hidden
+        return graph, outs
 
-    def _graph(self, lay: Layout) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _graph(self, lay: Layout) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self._forward(lay)
-        return graph, hidden
+            outs = self._forward(lay)
+        return graph, outs
 
     def _replay_ms(self, graph: torch.cuda.CUDAGraph, reps: int = 8) -> float:
         graph.replay()
@@ -354,7 +379,7 @@ class GraphRunner:
         return a.elapsed_time(b) / reps
 
     def _tune_in_graph(self, lay: Layout, keys: list[tuple], graph: torch.cuda.CUDAGraph,
-                       hidden: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                       outs: Outputs) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         from verify_kernels import skinny_gemm
 
         first = best = self._replay_ms(graph)
@@ -365,13 +390,13 @@ class GraphRunner:
                 if cfg == kept:
                     continue
                 skinny_gemm.set_config(key, cfg)
-                g, h = self._graph(lay)
+                g, o = self._graph(lay)
                 t = self._replay_ms(g)
                 trials += 1
                 if t < best * 0.997:  # past replay noise
-                    best, kept, graph, hidden = t, cfg, g, h
+                    best, kept, graph, outs = t, cfg, g, o
             skinny_gemm.set_config(key, kept)
             self._tuned_keys.add(key)
         self.tuned.setdefault((lay.batch, lay.q), {}).update(
             {"step_ms_alone_tuned": first, "step_ms": best, "trials": trials})
-        return graph, hidden
+        return graph, outs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from dataclasses import replace
@@ -73,6 +74,10 @@ class LLMEngine:
         overlap = config.scheduler.overlap
         self.pipeline = DecodePipeline(self.runner.device.type == "cuda" if overlap is None
                                        else overlap)
+        # What exists now lives as long as the engine: kept out of the collector's full
+        # passes, whose host stalls outlast a decode step (bench/gpu_decode_attn.py timeline).
+        gc.collect()
+        gc.freeze()
 
     @staticmethod
     def from_args(model: str, dtype: str = "float32", device: str = "cpu",

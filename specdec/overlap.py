@@ -26,7 +26,7 @@ import torch
 
 from drafters.tree import DraftTree
 from specdec.model_runner import Segment
-from specdec.sampler import HostCopy, device_to_host
+from specdec.sampler import HostCopy, argmax_rows, device_to_host
 from specdec.step_results import accept_on_device, settle
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class DecodePipeline:
         out = engine.runner.execute(segments, token_source=prev_tokens)
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):
-            tokens = out.logits.argmax(dim=-1)  # [B]
+            tokens = argmax_rows(out.logits)  # [B]
         else:  # the same draw the step would make without overlap
             tokens = accept_on_device(engine, out.logits, params, None, seqs,
                                       DraftTree.empty(len(seqs)),

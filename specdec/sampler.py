@@ -98,6 +98,16 @@ def apply_penalties(
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
+    """torch.argmax(x, dim=-1), through verify_kernels/argmax.py on CUDA (PyTorch's one-block
+    reduction of a 128k row takes ~38 us on the H200)."""
+    if x.device.type != "cuda" or x.dim() != 2 or x.stride(1) != 1:
+        return x.argmax(dim=-1)
+    from verify_kernels.argmax import argmax_triton
+
+    return argmax_triton(x)
+
+
 def greedy_tokens(
     logits: torch.Tensor,  # [R, V] raw
     params: Sequence[SamplingParams],
@@ -108,7 +118,7 @@ def greedy_tokens(
     if contexts is not None and any(p.has_penalties for p in params):
         logits = logits.float().clone()
         apply_penalties(logits, params, contexts)
-    return logits.argmax(dim=-1)
+    return argmax_rows(logits)
 
 
 def process_logits(
@@ -122,7 +132,7 @@ def process_logits(
         apply_penalties(logits, params, contexts)
     dev = logits.device
     if all(p.greedy for p in params):  # the common case: no softmax or sort
-        return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(1, argmax_rows(logits)[:, None], 1.0)
     temps = host_to_device([p.temperature if p.temperature > 0 else 1.0 for p in params],
                            torch.float32, dev)
     logits = logits / temps[:, None]

@@ -17,14 +17,13 @@ if ON_CUDA and not torch.cuda.is_available():
 
 from test_kernels import DEV, DTYPE, make_meta  # noqa: E402
 
-import verify_kernels.decode_attention as decode_attention_module  # noqa: E402
 from verify_kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 
 TOL = {"atol": 4e-2, "rtol": 4e-2} if ON_CUDA else {"atol": 2e-5, "rtol": 2e-5}
 
 
 def run(ctxs: list[int], hq: int, hkv: int, d: int, bs: int, splits: int, seed: int,
-        pad: tuple[int, ...] = (), fold: bool = True) -> None:
+        pad: tuple[int, ...] = ()) -> None:
     """Sequences with these contexts decode one token each; rows in `pad` are padding (slot
     -1: nothing written, output unread)."""
     g = torch.Generator().manual_seed(seed)
@@ -46,8 +45,7 @@ def run(ctxs: list[int], hq: int, hkv: int, d: int, bs: int, splits: int, seed: 
     ref = decode_attention_ref(q.float(), k.float(), v.float(), pos, inv, 1.1, kc_ref, vc_ref,
                                meta)
     qkv_before = qkv.clone()
-    out = decode_attention(q, k, v, pos, inv, 1.1, kc, vc, meta, num_splits=splits,
-                           fold_merge=fold)
+    out = decode_attention(q, k, v, pos, inv, 1.1, kc, vc, meta, num_splits=splits)
     assert out.shape == q.shape and out.dtype == q.dtype
     keep = [i for i in range(b) if i not in pad]
     torch.testing.assert_close(out[keep].float(), ref[keep], **TOL)
@@ -55,24 +53,20 @@ def run(ctxs: list[int], hq: int, hkv: int, d: int, bs: int, splits: int, seed: 
     torch.testing.assert_close(kc.float(), kc_ref, **TOL)
     torch.testing.assert_close(vc.float(), vc_ref, **TOL)
     assert torch.equal(qkv, qkv_before), "q, k and v are inputs only"
-    if fold and splits > 1:  # the merge's split counters are left at zero for the next launch
-        assert not decode_attention_module._COUNTERS[out.device].any()
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 64, 16), (32, 8, 128, 16), (6, 2, 128, 32),
-                                         (7, 1, 64, 16), (4, 4, 128, 16)])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 64, 16), (32, 8, 128, 16), (7, 1, 64, 32)])
 def test_decode_no_split(hq, hkv, d, bs):
     run([0, 1, 15, 16, 17, 70, 130], hq, hkv, d, bs, splits=1, seed=hq * d + bs)
 
 
-@pytest.mark.parametrize("splits,fold", [(2, True), (3, True), (8, False), (32, True),
-                                         (32, False)])
-def test_decode_split(splits, fold):
-    """Split-KV with the merge folded into the last split to finish, or as its own launch."""
+@pytest.mark.parametrize("splits", [2, 3, 32])
+def test_decode_split(splits):
     # Empty contexts, one tile, many tiles, contexts shorter than the split count's reach.
-    run([0, 5, 63, 64, 65, 300, 1000], 8, 2, 64, 16, splits=splits, seed=splits, fold=fold)
-    run([129, 2, 640], 32, 8, 128, 16, splits=splits, seed=100 + splits, fold=fold)
+    run([0, 5, 63, 64, 65, 300, 1000], 8, 2, 64, 16, splits=splits, seed=splits)
+    run([129, 2, 640], 32, 8, 128, 16, splits=splits, seed=100 + splits)
 
 
 def test_decode_padding_rows_write_nothing():
     run([40, 0, 7, 0], 8, 2, 64, 16, splits=4, seed=3, pad=(1, 3))
+

@@ -17,7 +17,6 @@ class TritonAttentionBackend:
 
     name = "triton"
     fused_decode = True
-    fold_merge = True  # decode's split merge done by the last split, not a second launch
 
     def write_kv(
         self,
@@ -59,5 +58,5 @@ class TritonAttentionBackend:
                 dev.index if dev.index is not None else torch.cuda.current_device())
             num_splits = decode_splits(q.shape[0], k.shape[1], meta.max_seq_len, sms)
         return decode_attention(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
-                                meta, scale, num_splits, self.fold_merge)
+                                meta, scale, num_splits)
 
