@@ -57,18 +57,23 @@ def _decode_attn_kernel(
     slot_ptr,  # [B] int64, negative = padding: nothing written
     inv_ptr,  # [D / 2] float32 inverse frequencies
     scale_log2, rope_scaling,
+    pf_base, pf_bytes, pf_chunk, pf_max_tokens,  # L2 prefetch (PREFETCH only), see below
     stride_qb, stride_qh, stride_kb_new, stride_kh_new, stride_vb_new, stride_vh_new,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     HALF: tl.constexpr = HEAD_DIM // 2
     ctx = tl.load(context_lens_ptr + b)
+    if PREFETCH:
+        if ctx * tl.num_programs(0) <= pf_max_tokens:  # the step's KV leaves L2 room
+            pid = (b * tl.num_programs(1) + kvh) * NUM_SPLITS + split
+            _prefetch_l2(pf_base, pf_bytes, pid * pf_chunk, pf_chunk)
     # Independent of the context, so issued beside its load: q, the rotary angles.
     m = tl.arange(0, BLOCK_M)
     row_ok = m < GROUP
@@ -90,7 +95,14 @@ def _decode_attn_kernel(
         per = tl.cdiv(tl.cdiv(n_all, BLOCK_N), NUM_SPLITS) * BLOCK_N
         lo = split * per
         hi = tl.minimum(lo + per, n_all)
-    if lo < hi:  # splits past the context do nothing; the merge skips them
+    if lo >= hi:  # a split past the context: an empty partial, so the merge reads only L2
+        if NUM_SPLITS > 1:
+            zero = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            tl.store(part_ptr + b * stride_pb + head[:, None] * stride_ph + d[None, :]
+                     + split * stride_ps, zero, mask=row_ok[:, None])
+            tl.store(lse_ptr + b * stride_lb + head * stride_lh + split,
+                     tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+    else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -155,30 +167,35 @@ def _decode_attn_kernel(
 def _merge_kernel(
     out_ptr,  # [B, Hq, D]
     part_ptr,  # [B, Hq, NUM_SPLITS, D] float32
-    lse_ptr,  # [B, Hq, NUM_SPLITS] float32
-    context_lens_ptr,  # [B] int32
+    lse_ptr,  # [B, Hq, NUM_SPLITS] float32, -inf for splits past the context
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P)
     d = tl.arange(0, HEAD_DIM)
-    # The partials load beside the context: splits it did not reach hold stale values, dropped
-    # by `used` rather than by masking the loads on the context (which would wait for it).
-    ctx = tl.load(context_lens_ptr + b)
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s < NUM_SPLITS,
                   other=float("-inf"))
     part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
                    mask=(s < NUM_SPLITS)[:, None], other=0.0)  # [SPLITS_P, D]
-    per = tl.cdiv(tl.cdiv(ctx + 1, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    used = s * per < ctx + 1
-    lse = tl.where(used, lse, float("-inf"))
-    w = tl.math.exp2(lse - tl.max(lse, 0))  # [SPLITS_P], every used split is non-empty
-    part = tl.where(used[:, None], part, 0.0)
+    w = tl.math.exp2(lse - tl.max(lse, 0))  # [SPLITS_P]; split 0 is never empty
     o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefetch_l2(base, nbytes, start, chunk):
+    """Ask L2 for bytes [start, start + chunk) of the buffer at address `base` (clipped to
+    `nbytes`), in 128 asynchronous bulk prefetches: nothing waits for them."""
+    sub = chunk // 128  # a multiple of 16, as the instruction needs
+    at = start + tl.arange(0, 128).to(tl.int64) * sub
+    size = tl.minimum(nbytes - at, sub)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s64 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+        "=r,l,l,r", [base + at, size, size.to(tl.int32)], dtype=tl.int32, is_pure=False,
+        pack=1)
 
 
 def _next_pow2(x: int) -> int:
@@ -215,10 +232,17 @@ def decode_attention(
     meta: AttentionMetadata,  # one query row per sequence
     scale: float | None = None,
     num_splits: int = 1,
+    prefetch: torch.Tensor | None = None,
+    prefetch_max_tokens: int = 0,
 ) -> torch.Tensor:  # [B, Hq, D] in q's dtype
     """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
     sequence's one query row over its context and itself. Reads nothing from the device on
-    the host: `num_splits` is the caller's (a graph fixes it per bucket)."""
+    the host: `num_splits` is the caller's (a graph fixes it per bucket).
+
+    `prefetch` (CUDA only): a tensor the next kernel reads, the o_proj weight, that the
+    programs ask L2 to fetch while they wait on their own loads, when the step's context
+    (batch x the sequence's tokens) is at most `prefetch_max_tokens`: at batch 1 the memory
+    system idles through attention, and the weight then arrives from L2."""
     bsz, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
     assert meta.num_seqs == bsz and all(x == 1 for x in meta.q_lens_host), "one row per sequence"
@@ -243,22 +267,30 @@ def decode_attention(
     lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=dev) if splits > 1 else out
     ps = (hq * splits * d, splits * d, d) if splits > 1 else (0, 0, 0)
     ls = (hq * splits, splits) if splits > 1 else (0, 0)
+    pf = prefetch if prefetch is not None and dev.type == "cuda" and prefetch.numel() else None
+    pf_args = (0, 0, 0, 0)
+    if pf is not None:
+        assert pf.is_contiguous() and pf.device == dev
+        nbytes = pf.numel() * pf.element_size()
+        unit = 128 * 16  # 128 prefetches per program, each a multiple of 16 bytes
+        chunk = -(-nbytes // (bsz * hkv * splits * unit)) * unit
+        pf_args = (pf.data_ptr(), nbytes // 16 * 16, chunk, prefetch_max_tokens)
     _decode_attn_kernel[(bsz, hkv, splits)](
         out, part, lse, q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens,
-        positions, meta.slot_mapping, inv_freq, scale * _LOG2E, rope_scaling,
+        positions, meta.slot_mapping, inv_freq, scale * _LOG2E, rope_scaling, *pf_args,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), *ps, *ls,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         HEAD_DIM=d, GROUP=group, BLOCK_M=max(16, _next_pow2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=bs, NUM_SPLITS=splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=4,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, PREFETCH=pf is not None,
+        num_warps=4,
     )
     if splits > 1:
         _merge_kernel[(bsz, hq)](
-            out, part, lse, meta.context_lens, out.stride(0), out.stride(1), *ps, *ls,
-            HEAD_DIM=d, BLOCK_N=block_n, NUM_SPLITS=splits, SPLITS_P=_next_pow2(splits),
-            num_warps=4,
+            out, part, lse, out.stride(0), out.stride(1), *ps, *ls,
+            HEAD_DIM=d, NUM_SPLITS=splits, SPLITS_P=_next_pow2(splits), num_warps=4,
         )
     return out
 
