@@ -108,7 +108,11 @@ def kernels_at(bsz: int, rows: list) -> None:
 
         t_old, t_new = graph_us(old), graph_us(new)
         t_o = graph_us(with_o)
-        t_pf = graph_us(lambda i, splits=splits: with_o(i, splits, True))
+        try:
+            t_pf = graph_us(lambda i, splits=splits: with_o(i, splits, True))
+        except Exception as e:  # keep the rest of the run
+            gs.log(f"prefetch variant failed: {type(e).__name__}: {str(e)[:400]}")
+            t_pf = float("nan")
         rows.append({"batch": bsz, "splits": splits, "two_launch_us": t_old, "fused_us": t_new,
                      "fused_then_o_proj_us": t_o, "fused_prefetch_then_o_proj_us": t_pf})
         gs.log(f"b{bsz} splits {splits}: rope+paged {t_old:.2f} us/layer, "
