@@ -79,11 +79,6 @@ def kernels_at(bsz: int, rows: list) -> None:
         return (x[:, :HQ * D].view(bsz, HQ, D), x[:, HQ * D:(HQ + HKV) * D].view(bsz, HKV, D),
                 x[:, (HQ + HKV) * D:].view(bsz, HKV, D))
 
-    from verify_kernels.skinny_gemm import skinny_linear
-
-    w_o = [torch.randn(HQ * D, HQ * D, device="cuda", dtype=torch.bfloat16) / 64
-           for _ in range(LAYERS)]  # each layer's o_proj, 32 MB apiece: none stays in L2
-    res = torch.zeros(bsz, HQ * D, device="cuda", dtype=torch.bfloat16)
     for splits in (1, 2, 4, 8, 16, 32):
         if bsz * HKV * splits > 8 * 132 or (bsz >= 16 and splits > 4):
             continue
@@ -98,26 +93,10 @@ def kernels_at(bsz: int, rows: list) -> None:
             decode_attention(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088,
                              num_splits=splits)
 
-        def with_o(i, splits=splits, prefetch=False):
-            q, k, v = qkv_of(i)
-            o = decode_attention(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], meta,
-                                 0.088, num_splits=splits,
-                                 prefetch=w_o[i] if prefetch else None,
-                                 prefetch_max_tokens=1 << 30)
-            skinny_linear(o.view(bsz, HQ * D), w_o[i], residual=res)
-
         t_old, t_new = graph_us(old), graph_us(new)
-        t_o = graph_us(with_o)
-        try:
-            t_pf = graph_us(lambda i, splits=splits: with_o(i, splits, True))
-        except Exception as e:  # keep the rest of the run
-            gs.log(f"prefetch variant failed: {type(e).__name__}: {str(e)[:400]}")
-            t_pf = float("nan")
-        rows.append({"batch": bsz, "splits": splits, "two_launch_us": t_old, "fused_us": t_new,
-                     "fused_then_o_proj_us": t_o, "fused_prefetch_then_o_proj_us": t_pf})
+        rows.append({"batch": bsz, "splits": splits, "two_launch_us": t_old, "fused_us": t_new})
         gs.log(f"b{bsz} splits {splits}: rope+paged {t_old:.2f} us/layer, "
-               f"fused decode {t_new:.2f}; with o_proj after it {t_o:.2f}, "
-               f"o_proj weight prefetched during attention {t_pf:.2f}")
+               f"fused decode {t_new:.2f} us/layer")
 
 
 def kernels(out: dict) -> None:
@@ -141,9 +120,8 @@ def engine_ab(out: dict, bw: float) -> None:
     backend = runner.backend
     prompt = torch.randint(100, runner.vocab_size, (gs.CTX,)).tolist()
     res = []
-    modes = {"fused_prefetch": (True, 12 << 20), "fused": (True, 0), "two_launch": (False, 0)}
-    for mode in list(modes) * 2:
-        backend.fused_decode, backend.prefetch_kv_bytes = modes[mode]
+    for mode in ("fused", "two_launch") * 2:
+        backend.fused_decode = mode == "fused"
         runner.graphs.graphs.clear()  # recaptured with this path (tiles stay as tuned)
         runner.graphs.splits.clear()
         row: dict = {"mode": mode}
@@ -162,7 +140,7 @@ def engine_ab(out: dict, bw: float) -> None:
         res.append(row)
     out["engine_ab"] = res
     out["graph_splits"] = {str(k): v for k, v in runner.graphs.splits.items()}
-    backend.fused_decode, backend.prefetch_kv_bytes = modes["fused_prefetch"]
+    backend.fused_decode = True
     runner.graphs.graphs.clear()
     out["engine_timeline_b1"] = timeline(engine, prompt)
 

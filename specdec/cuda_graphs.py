@@ -195,9 +195,9 @@ class _FixedSplits:
         return getattr(self.inner, "fused_decode", False)
 
     def decode(self, q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
-               meta: AttentionMetadata, scale: float, prefetch=None) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self.inner.decode(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
-                                 meta, scale, prefetch, num_splits=self.splits)
+                                 meta, scale, num_splits=self.splits)
 
 
 def split_candidates(first: int) -> list[int]:

@@ -17,9 +17,6 @@ class TritonAttentionBackend:
 
     name = "triton"
     fused_decode = True
-    # Decode attention asks L2 for the o_proj weight while it runs, when the step's KV is at
-    # most this many bytes per layer (so both fit the H200's 50 MB L2); 0 turns it off.
-    prefetch_kv_bytes = 12 << 20
 
     def write_kv(
         self,
@@ -53,7 +50,6 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
-        prefetch: torch.Tensor | None = None,  # the weight the next kernel reads
         num_splits: int | None = None,
     ) -> torch.Tensor:  # [B, Hq, D]
         if num_splits is None:
@@ -61,9 +57,6 @@ class TritonAttentionBackend:
             sms = 1 if dev.type != "cuda" else _num_sms(
                 dev.index if dev.index is not None else torch.cuda.current_device())
             num_splits = decode_splits(q.shape[0], k.shape[1], meta.max_seq_len, sms)
-        per_token = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
         return decode_attention(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
-                                meta, scale, num_splits,
-                                prefetch if self.prefetch_kv_bytes else None,
-                                self.prefetch_kv_bytes // per_token)
+                                meta, scale, num_splits)
 

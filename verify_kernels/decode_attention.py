@@ -15,7 +15,8 @@ Split-KV (flash decoding) spreads a sequence's KV over NUM_SPLITS programs per K
 splits the context reaches do work, and `_merge_kernel` combines their normalised partials by
 log-sum-exp, reading the context to know how many there are (folding the merge into the last
 split to finish, by an atomic count, measured slower on the H200: 11.5 against 8.9 us per layer
-at batch 1). Rounding follows the unfused path:
+at batch 1; asking L2 for the o_proj weight during attention made the step 1.5% slower: the
+attention's own loads wait behind it). Rounding follows the unfused path:
 rotated q and k are rounded to the model dtype before the products. The reference is
 `decode_attention_ref` (rotary and KV write, then `specdec.attention.paged_attention_ref`).
 """
@@ -57,23 +58,18 @@ def _decode_attn_kernel(
     slot_ptr,  # [B] int64, negative = padding: nothing written
     inv_ptr,  # [D / 2] float32 inverse frequencies
     scale_log2, rope_scaling,
-    pf_base, pf_bytes, pf_chunk, pf_max_tokens,  # L2 prefetch (PREFETCH only), see below
     stride_qb, stride_qh, stride_kb_new, stride_kh_new, stride_vb_new, stride_vh_new,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     HALF: tl.constexpr = HEAD_DIM // 2
     ctx = tl.load(context_lens_ptr + b)
-    if PREFETCH:
-        if ctx * tl.num_programs(0) <= pf_max_tokens:  # the step's KV leaves L2 room
-            pid = (b * tl.num_programs(1) + kvh) * NUM_SPLITS + split
-            _prefetch_l2(pf_base, pf_bytes, pid * pf_chunk, pf_chunk)
     # Independent of the context, so issued beside its load: q, the rotary angles.
     m = tl.arange(0, BLOCK_M)
     row_ok = m < GROUP
@@ -184,20 +180,6 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _prefetch_l2(base, nbytes, start, chunk):
-    """Ask L2 for bytes [start, start + chunk) of the buffer at address `base` (clipped to
-    `nbytes`), in 128 asynchronous bulk prefetches: nothing waits for them."""
-    sub = chunk // 128  # a multiple of 16, as the instruction needs
-    at = start + tl.arange(0, 128).to(tl.int64) * sub
-    size = tl.minimum(nbytes - at, sub)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s64 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-        "=r,l,l,r", [base + at, size, size.to(tl.int32)], dtype=tl.int32, is_pure=False,
-        pack=1)
-
-
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -232,17 +214,10 @@ def decode_attention(
     meta: AttentionMetadata,  # one query row per sequence
     scale: float | None = None,
     num_splits: int = 1,
-    prefetch: torch.Tensor | None = None,
-    prefetch_max_tokens: int = 0,
 ) -> torch.Tensor:  # [B, Hq, D] in q's dtype
     """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
     sequence's one query row over its context and itself. Reads nothing from the device on
-    the host: `num_splits` is the caller's (a graph fixes it per bucket).
-
-    `prefetch` (CUDA only): a tensor the next kernel reads, the o_proj weight, that the
-    programs ask L2 to fetch while they wait on their own loads, when the step's context
-    (batch x the sequence's tokens) is at most `prefetch_max_tokens`: at batch 1 the memory
-    system idles through attention, and the weight then arrives from L2."""
+    the host: `num_splits` is the caller's (a graph fixes it per bucket)."""
     bsz, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
     assert meta.num_seqs == bsz and all(x == 1 for x in meta.q_lens_host), "one row per sequence"
@@ -267,25 +242,16 @@ def decode_attention(
     lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=dev) if splits > 1 else out
     ps = (hq * splits * d, splits * d, d) if splits > 1 else (0, 0, 0)
     ls = (hq * splits, splits) if splits > 1 else (0, 0)
-    pf = prefetch if prefetch is not None and dev.type == "cuda" and prefetch.numel() else None
-    pf_args = (0, 0, 0, 0)
-    if pf is not None:
-        assert pf.is_contiguous() and pf.device == dev
-        nbytes = pf.numel() * pf.element_size()
-        unit = 128 * 16  # 128 prefetches per program, each a multiple of 16 bytes
-        chunk = -(-nbytes // (bsz * hkv * splits * unit)) * unit
-        pf_args = (pf.data_ptr(), nbytes // 16 * 16, chunk, prefetch_max_tokens)
     _decode_attn_kernel[(bsz, hkv, splits)](
         out, part, lse, q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens,
-        positions, meta.slot_mapping, inv_freq, scale * _LOG2E, rope_scaling, *pf_args,
+        positions, meta.slot_mapping, inv_freq, scale * _LOG2E, rope_scaling,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), *ps, *ls,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         HEAD_DIM=d, GROUP=group, BLOCK_M=max(16, _next_pow2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=bs, NUM_SPLITS=splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, PREFETCH=pf is not None,
-        num_warps=4,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=4,
     )
     if splits > 1:
         _merge_kernel[(bsz, hq)](
