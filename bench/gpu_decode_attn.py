@@ -2,6 +2,8 @@
 verify_kernels/decode_attention.py) against the two-launch path it replaces (rope_write_kv, then
 the general paged attention), side by side in the same run.
 
+Also programmatic dependent launch on and off (verify_kernels/pdl.py).
+
 1. Kernels alone: 32 layers' worth of decode attention (Llama-3.1-8B heads, 1k context, each
    layer on its own KV) in one CUDA graph, per layer, at several batch sizes and split counts.
 2. The whole decode step and the engine (Llama-3.1-8B shape, random weights, bf16) with the
@@ -120,11 +122,16 @@ def engine_ab(out: dict, bw: float) -> None:
     backend = runner.backend
     prompt = torch.randint(100, runner.vocab_size, (gs.CTX,)).tolist()
     res = []
-    for mode in ("fused", "two_launch") * 2:
-        backend.fused_decode = mode == "fused"
+    from verify_kernels import pdl
+
+    modes = {"fused_pdl": (True, True), "fused": (True, False), "two_launch": (False, False)}
+    for mode in list(modes) * 2:
+        backend.fused_decode, pdl.ENABLED = modes[mode]
         runner.graphs.graphs.clear()  # recaptured with this path (tiles stay as tuned)
         runner.graphs.splits.clear()
         row: dict = {"mode": mode}
+        segs8 = gs.step_segments(engine, 1, 8, gs.CTX)
+        row["step_ms_b1_rows8"] = gs.time_steps(engine, segs8, iters=40) * 1e3
         for bsz in (1, 16):
             segs = gs.step_segments(engine, bsz, 1, gs.CTX)
             row[f"step_ms_b{bsz}"] = gs.time_steps(engine, segs, iters=40) * 1e3
@@ -140,7 +147,7 @@ def engine_ab(out: dict, bw: float) -> None:
         res.append(row)
     out["engine_ab"] = res
     out["graph_splits"] = {str(k): v for k, v in runner.graphs.splits.items()}
-    backend.fused_decode = True
+    backend.fused_decode, pdl.ENABLED = modes["fused_pdl"]
     runner.graphs.graphs.clear()
     out["engine_timeline_b1"] = timeline(engine, prompt)
 

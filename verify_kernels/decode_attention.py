@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from specdec.attention import AttentionMetadata, paged_attention_ref
+from verify_kernels.pdl import pdl_args, pdl_wait_release
 
 __all__ = ["decode_attention", "decode_attention_ref", "decode_splits"]
 
@@ -40,6 +41,36 @@ _LOG2E = 1.4426950408889634
 def _rotate(x, xp, cos, sign_sin):
     """x * cos + rotate_half(x) * sin, where xp is x read at (d + HALF) % D."""
     return x.to(tl.float32) * cos + xp.to(tl.float32) * sign_sin
+
+
+@triton.jit
+def _load_kv(cols, hi, bt_row, k_base, v_base, d, stride_kb, stride_ks, stride_vb, stride_vs,
+             BLOCK_SIZE: tl.constexpr):
+    """K [D, BLOCK_N] and V [BLOCK_N, D] of cached columns `cols` below `hi`, through the
+    block table: both loads depend only on the page, so both are in flight together."""
+    col_ok = cols < hi
+    page = tl.load(bt_row + cols // BLOCK_SIZE, mask=col_ok, other=0).to(tl.int64)
+    in_page = (cols % BLOCK_SIZE).to(tl.int64)
+    k = tl.load(k_base + page[None, :] * stride_kb + in_page[None, :] * stride_ks + d[:, None],
+                mask=col_ok[None, :], other=0.0)
+    v = tl.load(v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    return k, v, col_ok
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k, v, col_ok, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of q [BLOCK_M, D] over a loaded K/V tile."""
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(col_ok[None, :], s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                        input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -63,26 +94,21 @@ def _decode_attn_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     HALF: tl.constexpr = HEAD_DIM // 2
-    ctx = tl.load(context_lens_ptr + b)
-    # Independent of the context, so issued beside its load: q, the rotary angles.
     m = tl.arange(0, BLOCK_M)
     row_ok = m < GROUP
     head = kvh * GROUP + m
     d = tl.arange(0, HEAD_DIM)
     dp = (d + HALF) % HEAD_DIM
-    q_rows = q_ptr + b * stride_qb + head[:, None] * stride_qh
-    qa = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
-    qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
+    ctx = tl.load(context_lens_ptr + b)
     freq = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_ptr + d % HALF)
     cos = tl.cos(freq) * rope_scaling
     sign_sin = tl.where(d < HALF, -1.0, 1.0) * tl.sin(freq) * rope_scaling
-    q = _rotate(qa, qb, cos[None, :], sign_sin[None, :]).to(qa.dtype)  # [BLOCK_M, D]
 
     n_all = ctx + 1  # the cached columns and the new one
     lo = 0
@@ -91,6 +117,20 @@ def _decode_attn_kernel(
         per = tl.cdiv(tl.cdiv(n_all, BLOCK_N), NUM_SPLITS) * BLOCK_N
         lo = split * per
         hi = tl.minimum(lo + per, n_all)
+    cache_hi = tl.minimum(hi, ctx)
+    bt_row = block_tables_ptr + b * stride_bt
+    k_base = k_cache_ptr + kvh * stride_kh
+    v_base = v_cache_ptr + kvh * stride_vh
+    n = tl.arange(0, BLOCK_N)
+    # The first tile's cached columns were written by earlier steps: under PDL they load while
+    # the qkv matmul before this kernel finishes (verify_kernels/pdl.py); q, k, v come after.
+    k, v, col_ok = _load_kv(lo + n, cache_hi, bt_row, k_base, v_base, d, stride_kb, stride_ks,
+                            stride_vb, stride_vs, BLOCK_SIZE)
+    pdl_wait_release(USE_PDL)
+    q_rows = q_ptr + b * stride_qb + head[:, None] * stride_qh
+    qa = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
+    qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
+    q = _rotate(qa, qb, cos[None, :], sign_sin[None, :]).to(qa.dtype)  # [BLOCK_M, D]
     if lo >= hi:  # a split past the context: an empty partial, so the merge reads only L2
         if NUM_SPLITS > 1:
             zero = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -102,31 +142,12 @@ def _decode_attn_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        cache_hi = tl.minimum(hi, ctx)
-        bt_row = block_tables_ptr + b * stride_bt
-        k_base = k_cache_ptr + kvh * stride_kh
-        v_base = v_cache_ptr + kvh * stride_vh
-        n = tl.arange(0, BLOCK_N)
-        for start in range(lo, cache_hi, BLOCK_N):
-            cols = start + n
-            col_ok = cols < cache_hi
-            page = tl.load(bt_row + cols // BLOCK_SIZE, mask=col_ok, other=0).to(tl.int64)
-            in_page = (cols % BLOCK_SIZE).to(tl.int64)
-            # K and V both depend only on the page: both loads are in flight before the dot.
-            k = tl.load(k_base + page[None, :] * stride_kb + in_page[None, :] * stride_ks
-                        + d[:, None], mask=col_ok[None, :], other=0.0)  # [D, BLOCK_N]
-            v = tl.load(v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs
-                        + d[None, :], mask=col_ok[:, None], other=0.0)  # [BLOCK_N, D]
-            s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-            s = tl.where(col_ok[None, :], s, float("-inf"))  # [BLOCK_M, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                                input_precision=DOT_PRECISION)
-            m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok, scale_log2, DOT_PRECISION)
+        for start in range(lo + BLOCK_N, cache_hi, BLOCK_N):
+            k, v, col_ok = _load_kv(start + n, cache_hi, bt_row, k_base, v_base, d, stride_kb,
+                                    stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok, scale_log2,
+                                         DOT_PRECISION)
         if ctx < hi:  # this program holds the new column: rotate k, write k and v, score it
             k_row = k_ptr + b * stride_kb_new + kvh * stride_kh_new
             kr = _rotate(tl.load(k_row + d), tl.load(k_row + dp), cos, sign_sin)
@@ -166,7 +187,9 @@ def _merge_kernel(
     lse_ptr,  # [B, Hq, NUM_SPLITS] float32, -inf for splits past the context
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait_release(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P)
@@ -252,11 +275,13 @@ def decode_attention(
         HEAD_DIM=d, GROUP=group, BLOCK_M=max(16, _next_pow2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=bs, NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=4,
+        **pdl_args(dev),
     )
     if splits > 1:
         _merge_kernel[(bsz, hq)](
             out, part, lse, out.stride(0), out.stride(1), *ps, *ls,
             HEAD_DIM=d, NUM_SPLITS=splits, SPLITS_P=_next_pow2(splits), num_warps=4,
+            **pdl_args(dev),
         )
     return out
 

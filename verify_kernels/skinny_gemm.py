@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from verify_kernels.pdl import pdl_args, pdl_wait_release
+
 MAX_ROWS = 16
 
 
@@ -58,6 +60,29 @@ def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, FMA: tl.constexpr,
 
 
 @triton.jit
+def _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K,
+           NORM: tl.constexpr, SILU_MUL: tl.constexpr, GATED: tl.constexpr,
+           BLOCK_M: tl.constexpr, FMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K tile: load x (with its prologue) and accumulate against the loaded weights."""
+    mask_k = ks < K
+    xm = mask_m[:, None] & mask_k[None, :]
+    if SILU_MUL:
+        gate = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+        x = gate / (1.0 + tl.exp(-gate)) * up  # [BLOCK_M, BLOCK_K]
+    else:
+        x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+    if NORM:
+        ss += tl.sum(x * x, axis=1)
+        g = tl.load(g_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
+        x = x * g[None, :]
+    acc = _accumulate(acc, w, x, BLOCK_M, FMA, DOT_PRECISION)
+    if GATED:
+        acc_up = _accumulate(acc_up, w_up, x, BLOCK_M, FMA, DOT_PRECISION)
+    return acc, acc_up, ss
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,  # [M, K], or [M, 2K] (gate | up) with SILU_MUL
     w_ptr,  # [N, K], or [2N, K] (gate rows | up rows) with GATED
@@ -70,7 +95,7 @@ def _skinny_kernel(
     eps,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, FMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN: tl.constexpr, FMA: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,25 +108,23 @@ def _skinny_kernel(
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
-    for k0 in range(0, K, BLOCK_K):
+    # The first weight tile does not depend on the kernel before this one: under PDL it is
+    # in flight while that kernel finishes (verify_kernels/pdl.py).
+    w = _load_rows(w_rows, rk, mask_n, rk < K, EVEN)  # [BLOCK_N, BLOCK_K]
+    w_up = w
+    if GATED:
+        w_up = _load_rows(w_rows + N * stride_wn, rk, mask_n, rk < K, EVEN)
+    pdl_wait_release(USE_PDL)
+    acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, rk, mask_m, K, NORM,
+                             SILU_MUL, GATED, BLOCK_M, FMA, DOT_PRECISION)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + rk
-        mask_k = ks < K
-        xm = mask_m[:, None] & mask_k[None, :]
-        if SILU_MUL:
-            gate = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-            up = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-            x = gate / (1.0 + tl.exp(-gate)) * up  # [BLOCK_M, BLOCK_K]
-        else:
-            x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-        if NORM:
-            ss += tl.sum(x * x, axis=1)
-            g = tl.load(g_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
-            x = x * g[None, :]
-        w = _load_rows(w_rows, ks, mask_n, mask_k, EVEN)  # [BLOCK_N, BLOCK_K]
-        acc = _accumulate(acc, w, x, BLOCK_M, FMA, DOT_PRECISION)
+        w = _load_rows(w_rows, ks, mask_n, ks < K, EVEN)
+        w_up = w
         if GATED:
-            w_up = _load_rows(w_rows + N * stride_wn, ks, mask_n, mask_k, EVEN)
-            acc_up = _accumulate(acc_up, w_up, x, BLOCK_M, FMA, DOT_PRECISION)
+            w_up = _load_rows(w_rows + N * stride_wn, ks, mask_n, ks < K, EVEN)
+        acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K, NORM,
+                                 SILU_MUL, GATED, BLOCK_M, FMA, DOT_PRECISION)
     if NORM:
         rstd = tl.rsqrt(ss / K + eps)[:, None]
         acc = acc * rstd
@@ -198,7 +221,7 @@ def skinny_linear(
             HAS_RES=r is not None, BLOCK_M=rows if fma else 16, BLOCK_N=bn, BLOCK_K=bk,
             EVEN=n % bn == 0 and k % bk == 0, FMA=fma,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages, **pdl_args(x.device))
 
     cfg = _CHOSEN.get(key)
     if cfg is None:

@@ -1,0 +1,56 @@
+"""Programmatic dependent launch (Hopper and later): a kernel starts before its predecessor ends
+and reads, meanwhile, what its predecessor cannot change.
+
+At batch 1 a decode step is ~200 kernels back to back, each a few to a hundred microseconds, and
+each one's memory traffic ramps up only after the previous one has drained: the weights of a
+matmul (never written during a step) and the old KV entries of an attention kernel (written by
+earlier steps) could be in flight already. With PDL a kernel is launched once every program of
+its predecessor has called `release`; until its own `wait` returns (its predecessor finished,
+writes visible) it touches only such read-only data:
+
+- the few-row matmul (skinny_gemm.py) loads its first weight tile before waiting;
+- decode attention (decode_attention.py) loads its context length, block-table entries and
+  first K/V tile before waiting; q, k and v of the step come after;
+- the split merge waits first.
+
+Each of them calls `release` right after its wait, so launches run at most one kernel ahead
+(a kernel waiting early holds SM slots, and a deeper chain of them would crowd the one that
+is running). A kernel launched without PDL (any PyTorch op) just runs after its predecessor.
+On unless SPECDEC_PDL=0; needs compute capability 9 and never runs under TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED: bool = os.environ.get("SPECDEC_PDL", "1") != "0"
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict:
+    """Launch keyword arguments: the kernel's USE_PDL constexpr and Triton's launch flag."""
+    if (not ENABLED or device.type != "cuda"
+            or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        return {"USE_PDL": False}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"USE_PDL": True, "launch_pdl": True} if _capable(index) else {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_wait_release(USE_PDL: tl.constexpr):
+    """Wait for the predecessor (its writes visible), then let the successor launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+__all__ = ["ENABLED", "pdl_args", "pdl_wait_release"]
