@@ -41,7 +41,6 @@ from specdec.attention import AttentionMetadata
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 TOKENS_PER_SEQ = (1, 2, 4, 8, 16, 32, 64)
 MAX_GRAPH_TOKENS = 2048
-GRAPH_LOGITS_TOKENS = 64  # buckets up to this many rows compute their logits in the graph
 
 
 @dataclass(frozen=True)
@@ -195,9 +194,6 @@ class _FixedSplits:
     def fused_decode(self) -> bool:
         return getattr(self.inner, "fused_decode", False)
 
-    def fuses(self, meta: AttentionMetadata) -> bool:
-        return self.inner.fuses(meta)
-
     def decode(self, q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self.inner.decode(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
@@ -287,8 +283,7 @@ class GraphRunner:
         graph, (hidden, logits) = self.graphs[key]
         graph.replay()
         self.replays += 1
-        full = n_rows == lay.tokens or (lay.q == 1 and n_rows == len(segments))
-        if logits is not None and full:  # the rows wanted are the first n_rows, in order
+        if logits is not None and n_rows == len(segments):  # one row each, in order
             # Views of the graph's memory, valid until its next replay: whatever reads them is
             # queued on the stream before the engine launches another step.
             return StepOutput(logits[:n_rows], hidden[:n_rows], offsets)
@@ -323,14 +318,12 @@ class GraphRunner:
                 buf[lay.at_mask:lay.nbytes].view(torch.bool))
 
     def _forward(self, lay: Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """([T, hidden], and for buckets of at most GRAPH_LOGITS_TOKENS rows their [T, V]
-        logits: there the LM head joins the graph (decode and verification steps want the
-        logits of nearly every row; larger buckets would hold large logits buffers)."""
+        """([T, hidden], and with one row per sequence its [T, V] logits: the LM head joins
+        the graph where every row has logits)."""
         ids, pos, meta = padded_metadata(lay, *self._views(self.dbuf, lay), self.block_size)
         backend = _FixedSplits(self.backend, self.num_splits(lay.batch, lay.q))
         hidden, _ = self.model(ids, pos, meta, self.kv, backend)
-        small = lay.tokens <= GRAPH_LOGITS_TOKENS
-        return hidden, self.model.compute_logits(hidden) if small else None
+        return hidden, self.model.compute_logits(hidden) if lay.q == 1 else None
 
     def _capture(self, lay: Layout) -> None:
         from verify_kernels import skinny_gemm

@@ -23,23 +23,21 @@ TOL = {"atol": 4e-2, "rtol": 4e-2} if ON_CUDA else {"atol": 2e-5, "rtol": 2e-5}
 
 
 def run(ctxs: list[int], hq: int, hkv: int, d: int, bs: int, splits: int, seed: int,
-        pad: tuple[int, ...] = (), rows: list[int | list[int]] | None = None) -> None:
-    """Sequences with these contexts each run one query row, or `rows` (per sequence a causal
-    row count or a tree's parents, the same number of rows each); rows in `pad` are padding
-    (slot -1: nothing written, output unread)."""
+        pad: tuple[int, ...] = ()) -> None:
+    """Sequences with these contexts decode one token each; rows in `pad` are padding (slot
+    -1: nothing written, output unread)."""
     g = torch.Generator().manual_seed(seed)
-    meta, nb = make_meta(list(zip(ctxs, rows or [1] * len(ctxs))), bs, g)
+    meta, nb = make_meta([(c, 1) for c in ctxs], bs, g)
     if pad:
         slots = meta.slot_mapping.clone()
         slots[list(pad)] = -1
         meta = type(meta)(**{**meta.__dict__, "slot_mapping": slots})
-    b = sum(meta.q_lens_host)
+    b = len(ctxs)
     qkv = torch.randn(b, (hq + 2 * hkv) * d + 3, generator=g).to(DEV, DTYPE)  # a fused row
     q = qkv[:, :hq * d].view(b, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
     v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].view(b, hkv, d)
-    pos = torch.tensor([c + 3 + j for c, q in zip(ctxs, meta.q_lens_host) for j in range(q)],
-                       dtype=torch.int64).to(DEV)
+    pos = torch.tensor([c + 3 for c in ctxs], dtype=torch.int64).to(DEV)
     inv = (1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))).to(DEV)
     kc = torch.randn(nb, bs, hkv, d, generator=g).to(DEV, DTYPE)
     vc = torch.randn(nb, bs, hkv, d, generator=g).to(DEV, DTYPE)
@@ -72,13 +70,3 @@ def test_decode_split(splits):
 def test_decode_padding_rows_write_nothing():
     run([40, 0, 7, 0], 8, 2, 64, 16, splits=4, seed=3, pad=(1, 3))
 
-
-
-@pytest.mark.parametrize("splits", [1, 4])
-def test_small_verification_steps(splits):
-    """Q rows per sequence: causal chunks and draft trees (ancestor masks) side by side, the
-    step's own rows scored from registers under their mask."""
-    run([0, 70, 5, 200], 8, 2, 64, 16, splits=splits, seed=10 + splits,
-        rows=[4, [-1, 0, 0], 4, [-1, 0, 1]])
-    run([33, 130], 32, 8, 128, 16, splits=splits, seed=20 + splits,
-        rows=[[-1, 0, 1, 1, 0, 4, 5], 8])

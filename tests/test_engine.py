@@ -173,4 +173,3 @@ def test_bad_requests_are_clear_errors(tiny_llama):
         llm.engine.add_request("c", [1, 10_000], GREEDY)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
-

@@ -5,16 +5,15 @@ from __future__ import annotations
 import torch
 
 from specdec.attention import AttentionMetadata
-from verify_kernels.decode_attention import decode_attention, decode_splits, fuses
+from verify_kernels.decode_attention import decode_attention, decode_splits
 from verify_kernels.kv_ops import write_kv
 from verify_kernels.paged_attention import _num_sms, paged_attention
 
 
 class TritonAttentionBackend:
-    """`fused_decode`: steps of a few query rows per sequence (decode, small verification
-    trees: `fuses`) go through `decode` (rotary, KV write and attention in one kernel,
-    verify_kernels/decode_attention.py) instead of a rotary + KV write launch and `attend`.
-    Off only to measure the difference."""
+    """`fused_decode`: steps of one query row per sequence go through `decode` (rotary, KV write
+    and attention in one kernel, verify_kernels/decode_attention.py) instead of a rotary + KV
+    write launch and `attend`. Off only to measure the difference."""
 
     name = "triton"
     fused_decode = True
@@ -39,16 +38,12 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:  # [T, Hq, D]
         return paged_attention(q, k_cache, v_cache, meta, scale)
 
-    @staticmethod
-    def fuses(meta: AttentionMetadata) -> bool:
-        return fuses(meta)
-
     def decode(
         self,
-        q: torch.Tensor,  # [T, Hq, D] unrotated
-        k: torch.Tensor,  # [T, Hkv, D] unrotated
-        v: torch.Tensor,  # [T, Hkv, D]
-        positions: torch.Tensor,  # [T] int64
+        q: torch.Tensor,  # [B, Hq, D] unrotated
+        k: torch.Tensor,  # [B, Hkv, D] unrotated
+        v: torch.Tensor,  # [B, Hkv, D]
+        positions: torch.Tensor,  # [B] int64
         inv_freq: torch.Tensor,  # [D / 2] float32
         rope_scaling: float,
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -56,12 +51,12 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         num_splits: int | None = None,
-    ) -> torch.Tensor:  # [T, Hq, D]
+    ) -> torch.Tensor:  # [B, Hq, D]
         if num_splits is None:
             dev = q.device
             sms = 1 if dev.type != "cuda" else _num_sms(
                 dev.index if dev.index is not None else torch.cuda.current_device())
-            num_splits = decode_splits(meta.num_seqs, k.shape[1], meta.max_seq_len, sms)
+            num_splits = decode_splits(q.shape[0], k.shape[1], meta.max_seq_len, sms)
         return decode_attention(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
                                 meta, scale, num_splits)
 

@@ -1,27 +1,24 @@
-"""Attention for steps of a few query rows per sequence (decode, small verification trees) with
-rotary and the KV write folded in: one launch (plus a merge) per layer.
+"""Decode attention with rotary and the KV write folded in: one launch (plus a merge) per layer.
 
-The general kernel (`paged_attention.py`) is preceded by a rotary + KV-write launch and walks a
-chain of dependent loads (query starts, the owning sequence, its context, the block table, K,
-then V). At batch 1 nothing here is bandwidth-bound: a layer's 4 MB of KV at 1k tokens is a
-microsecond of reading, so launches and load latency set the time. This kernel shortens both,
-for steps where every sequence has the same number Q <= MAX_Q of query rows (what the graph
-runner's buckets make of decode and verification steps):
+For a step where every sequence has one query row (plain decoding), the general kernel
+(`paged_attention.py`) is preceded by a rotary + KV-write launch and walks a chain of dependent
+loads (query starts, the owning sequence, its context, the block table, K, then V). At batch 1
+nothing here is bandwidth-bound: a layer's 4 MB of KV at 1k tokens is a microsecond of reading,
+so launches and load latency set the time. This kernel shortens both:
 
-- q and the new k arrive unrotated (straight from the qkv matmul) and are rotated in registers;
-- the cached columns [0, context) are spread over NUM_SPLITS programs per (sequence, KV head),
-  each loading its context length, then block-table entries, then K and V together;
-- split 0 also takes the step's own Q columns: it rotates their keys, writes keys and values
-  to the cache at the step's slots, and scores them from registers under the causal order or
-  the sequence's [Q, Q] tree mask.
+- q and the new k arrive unrotated (straight from the qkv matmul); each program rotates q in
+  registers, and the one program whose KV range holds the new column rotates k, writes k and v
+  to the cache at the step's slot, and scores that column from registers;
+- a program's loads are its context length, then block-table entries, then K and V together.
 
-`_merge_kernel` combines the splits' normalised partials by log-sum-exp (splits past the
-context leave an empty one; folding the merge into the last split to finish, by an atomic
-count, measured slower on the H200: 11.5 against 8.9 us per layer at batch 1; asking L2 for the
-o_proj weight during attention made the step 1.5% slower: the attention's own loads wait
-behind it). Rounding follows the unfused path: rotated q and k are rounded to the model dtype
-before the products. The reference is `decode_attention_ref` (rotary and KV write, then
-`specdec.attention.paged_attention_ref`).
+Split-KV (flash decoding) spreads a sequence's KV over NUM_SPLITS programs per KV head; only the
+splits the context reaches do work, and `_merge_kernel` combines their normalised partials by
+log-sum-exp, reading the context to know how many there are (folding the merge into the last
+split to finish, by an atomic count, measured slower on the H200: 11.5 against 8.9 us per layer
+at batch 1; asking L2 for the o_proj weight during attention made the step 1.5% slower: the
+attention's own loads wait behind it). Rounding follows the unfused path:
+rotated q and k are rounded to the model dtype before the products. The reference is
+`decode_attention_ref` (rotary and KV write, then `specdec.attention.paged_attention_ref`).
 """
 
 from __future__ import annotations
@@ -62,11 +59,10 @@ def _load_kv(cols, hi, bt_row, k_base, v_base, d, stride_kb, stride_ks, stride_v
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, k, v, vis, scale_log2, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of q [BLOCK_M, D] over a loaded tile, K [D, N] and V [N, D],
-    of which `vis` ([BLOCK_M, N] or [1, N]) says what each row sees."""
+def _attend_tile(q, m_i, l_i, acc, k, v, col_ok, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of q [BLOCK_M, D] over a loaded K/V tile."""
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(vis, s, float("-inf"))  # [BLOCK_M, N]
+    s = tl.where(col_ok[None, :], s, float("-inf"))  # [BLOCK_M, BLOCK_N]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_safe[:, None])
@@ -79,28 +75,25 @@ def _attend_tile(q, m_i, l_i, acc, k, v, vis, scale_log2, DOT_PRECISION: tl.cons
 
 @triton.jit
 def _decode_attn_kernel(
-    out_ptr,  # [T, Hq, D] q dtype, T = B * Q
-    part_ptr,  # [T, Hq, NUM_SPLITS, D] float32 normalised partials (split only)
-    lse_ptr,  # [T, Hq, NUM_SPLITS] float32 log2-sum-exp of each partial (split only)
-    q_ptr,  # [T, Hq, D] unrotated
-    k_ptr,  # [T, Hkv, D] unrotated, the step's new keys
-    v_ptr,  # [T, Hkv, D]
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D], slots contiguous
+    out_ptr,  # [B, Hq, D] q dtype
+    part_ptr,  # [B, Hq, NUM_SPLITS, D] float32 normalised partials (split only)
+    lse_ptr,  # [B, Hq, NUM_SPLITS] float32 log2-sum-exp of each partial (split only)
+    q_ptr,  # [B, Hq, D] unrotated
+    k_ptr,  # [B, Hkv, D] unrotated, the step's new keys
+    v_ptr,  # [B, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     block_tables_ptr,  # [B, max_blocks] int32
-    context_lens_ptr,  # [B] int32, KV entries before the step
-    pos_ptr,  # [T] int64
-    slot_ptr,  # [T] int64, negative = padding: nothing written
-    mask_offsets_ptr,  # [B] int64, -1 = causal (HAS_MASK only)
-    custom_mask_ptr,  # [M] uint8, per sequence a [Q, Q] visibility matrix (HAS_MASK only)
+    context_lens_ptr,  # [B] int32, KV entries before the step (the new column's index)
+    pos_ptr,  # [B] int64
+    slot_ptr,  # [B] int64, negative = padding: nothing written
     inv_ptr,  # [D / 2] float32 inverse frequencies
-    q_len, scale_log2, rope_scaling,
-    stride_qt, stride_qh, stride_kt, stride_kh_new, stride_vt, stride_vh_new,
-    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    scale_log2, rope_scaling,
+    stride_qb, stride_qh, stride_kb_new, stride_kh_new, stride_vb_new, stride_vh_new,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, Q_P: tl.constexpr,
-    BLOCK_M: tl.constexpr, NEW_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -108,95 +101,82 @@ def _decode_attn_kernel(
     split = tl.program_id(2)
     HALF: tl.constexpr = HEAD_DIM // 2
     m = tl.arange(0, BLOCK_M)
-    t = m // GROUP_P  # the row's query token within the sequence
-    row_ok = (m % GROUP_P < GROUP) & (t < q_len)
-    tok = b * q_len + t
-    head = kvh * GROUP + m % GROUP_P
+    row_ok = m < GROUP
+    head = kvh * GROUP + m
     d = tl.arange(0, HEAD_DIM)
     dp = (d + HALF) % HEAD_DIM
-    sign = tl.where(d < HALF, -1.0, 1.0)
-    inv = tl.load(inv_ptr + d % HALF)
     ctx = tl.load(context_lens_ptr + b)
-    freq = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.float32)[:, None] * inv[None, :]
+    freq = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_ptr + d % HALF)
+    cos = tl.cos(freq) * rope_scaling
+    sign_sin = tl.where(d < HALF, -1.0, 1.0) * tl.sin(freq) * rope_scaling
 
-    # Cached columns [0, ctx) are spread over the splits; split 0 also takes the step's own.
+    n_all = ctx + 1  # the cached columns and the new one
     lo = 0
-    hi = ctx
+    hi = n_all
     if NUM_SPLITS > 1:
-        per = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        per = tl.cdiv(tl.cdiv(n_all, BLOCK_N), NUM_SPLITS) * BLOCK_N
         lo = split * per
-        hi = tl.minimum(lo + per, ctx)
+        hi = tl.minimum(lo + per, n_all)
+    cache_hi = tl.minimum(hi, ctx)
     bt_row = block_tables_ptr + b * stride_bt
     k_base = k_cache_ptr + kvh * stride_kh
     v_base = v_cache_ptr + kvh * stride_vh
     n = tl.arange(0, BLOCK_N)
-    # The first tile's columns were written by earlier steps: under PDL they load while the
-    # qkv matmul before this kernel finishes (verify_kernels/pdl.py); q, k, v come after.
-    k, v, col_ok = _load_kv(lo + n, hi, bt_row, k_base, v_base, d, stride_kb, stride_ks,
+    # The first tile's cached columns were written by earlier steps: under PDL they load while
+    # the qkv matmul before this kernel finishes (verify_kernels/pdl.py); q, k, v come after.
+    k, v, col_ok = _load_kv(lo + n, cache_hi, bt_row, k_base, v_base, d, stride_kb, stride_ks,
                             stride_vb, stride_vs, BLOCK_SIZE)
     pdl_wait_release(USE_PDL)
-    q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    q_rows = q_ptr + b * stride_qb + head[:, None] * stride_qh
     qa = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
     qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
-    q = _rotate(qa, qb, tl.cos(freq) * rope_scaling,
-                sign[None, :] * tl.sin(freq) * rope_scaling).to(qa.dtype)  # [BLOCK_M, D]
-    if (lo >= hi) & (split > 0):  # past the context: an empty partial (the merge reads L2)
-        zero = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        tl.store(part_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
-                 + split * stride_ps, zero, mask=row_ok[:, None])
-        tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split,
-                 tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+    q = _rotate(qa, qb, cos[None, :], sign_sin[None, :]).to(qa.dtype)  # [BLOCK_M, D]
+    if lo >= hi:  # a split past the context: an empty partial, so the merge reads only L2
+        if NUM_SPLITS > 1:
+            zero = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            tl.store(part_ptr + b * stride_pb + head[:, None] * stride_ph + d[None, :]
+                     + split * stride_ps, zero, mask=row_ok[:, None])
+            tl.store(lse_ptr + b * stride_lb + head * stride_lh + split,
+                     tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
-                                     DOT_PRECISION)
-        for start in range(lo + BLOCK_N, hi, BLOCK_N):
-            k, v, col_ok = _load_kv(start + n, hi, bt_row, k_base, v_base, d, stride_kb,
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok, scale_log2, DOT_PRECISION)
+        for start in range(lo + BLOCK_N, cache_hi, BLOCK_N):
+            k, v, col_ok = _load_kv(start + n, cache_hi, bt_row, k_base, v_base, d, stride_kb,
                                     stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok, scale_log2,
                                          DOT_PRECISION)
-        if split == 0:  # the step's own columns: rotate k, write k and v, score them
-            j = tl.arange(0, NEW_P)
-            j_ok = j < q_len
-            jtok = b * q_len + j
-            k_rows = k_ptr + jtok[:, None] * stride_kt + kvh * stride_kh_new
-            jfreq = (tl.load(pos_ptr + jtok, mask=j_ok, other=0).to(tl.float32)[:, None]
-                     * inv[None, :])
-            kr = _rotate(tl.load(k_rows + d[None, :], mask=j_ok[:, None], other=0.0),
-                         tl.load(k_rows + dp[None, :], mask=j_ok[:, None], other=0.0),
-                         tl.cos(jfreq) * rope_scaling,
-                         sign[None, :] * tl.sin(jfreq) * rope_scaling)
-            kr = kr.to(q.dtype)  # [NEW_P, D], rounded as the cache stores it
-            vn = tl.load(v_ptr + jtok[:, None] * stride_vt + kvh * stride_vh_new + d[None, :],
-                         mask=j_ok[:, None], other=0.0)  # [NEW_P, D]
-            slot = tl.load(slot_ptr + jtok, mask=j_ok, other=-1)
-            put = (slot >= 0)[:, None]
-            # Slots index blocks x in-block positions (contiguous blocks, checked on launch).
-            tl.store(k_base + slot[:, None] * stride_ks + d[None, :],
-                     kr.to(k_cache_ptr.dtype.element_ty), mask=put)
-            tl.store(v_base + slot[:, None] * stride_vs + d[None, :],
-                     vn.to(v_cache_ptr.dtype.element_ty), mask=put)
-            vis = j[None, :] <= t[:, None]  # causal
-            if HAS_MASK:
-                base = tl.load(mask_offsets_ptr + b)
-                custom = (j * 0 + base) >= 0  # a row-shaped scalar (as the interpreter needs)
-                bits = tl.load(custom_mask_ptr + base + t[:, None] * q_len + j[None, :],
-                               mask=row_ok[:, None] & j_ok[None, :] & custom[None, :],
-                               other=0)
-                vis = tl.where(custom[None, :], bits != 0, vis)
-            vis = vis & j_ok[None, :]
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tl.trans(kr), vn, vis, scale_log2,
-                                         DOT_PRECISION)
+        if ctx < hi:  # this program holds the new column: rotate k, write k and v, score it
+            k_row = k_ptr + b * stride_kb_new + kvh * stride_kh_new
+            kr = _rotate(tl.load(k_row + d), tl.load(k_row + dp), cos, sign_sin)
+            kr = kr.to(q.dtype)  # [D], rounded as the cache stores it
+            v_new = tl.load(v_ptr + b * stride_vb_new + kvh * stride_vh_new + d)  # [D]
+            slot = tl.load(slot_ptr + b)
+            if slot >= 0:
+                page = tl.load(bt_row + ctx // BLOCK_SIZE).to(tl.int64)
+                in_page = ctx % BLOCK_SIZE
+                tl.store(k_base + page * stride_kb + in_page * stride_ks + d,
+                         kr.to(k_cache_ptr.dtype.element_ty))
+                tl.store(v_base + page * stride_vb + in_page * stride_vs + d,
+                         v_new.to(v_cache_ptr.dtype.element_ty))
+            s_new = tl.sum(q.to(tl.float32) * kr.to(tl.float32)[None, :], 1) * scale_log2
+            m_new = tl.maximum(m_i, s_new)  # finite: every row sees its own column
+            p_new = tl.math.exp2(s_new - m_new)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + p_new
+            v_new = v_new.to(q.dtype).to(tl.float32)
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new[None, :]
+            m_i = m_new
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if NUM_SPLITS > 1:
-            p_rows = part_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
+            p_rows = part_ptr + b * stride_pb + head[:, None] * stride_ph + d[None, :]
             tl.store(p_rows + split * stride_ps, o, mask=row_ok[:, None])
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
-            tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+            tl.store(lse_ptr + b * stride_lb + head * stride_lh + split, lse, mask=row_ok)
         else:
-            o_rows = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            o_rows = out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :]
             tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -245,79 +225,60 @@ def supported(q: torch.Tensor, inv_freq: torch.Tensor) -> bool:
     return d >= 16 and d & (d - 1) == 0 and inv_freq.shape == (d // 2,)
 
 
-MAX_Q = 16  # rows per sequence this kernel takes (decode, small verification trees)
-
-
-def fuses(meta: AttentionMetadata) -> bool:
-    """Steps this kernel serves: every sequence with the same number of rows, at most MAX_Q."""
-    qs = meta.q_lens_host
-    return bool(qs) and qs[0] <= MAX_Q and all(x == qs[0] for x in qs)
-
-
 def decode_attention(
-    q: torch.Tensor,  # [T, Hq, D] unrotated, T = B * Q
-    k: torch.Tensor,  # [T, Hkv, D] unrotated
-    v: torch.Tensor,  # [T, Hkv, D]
-    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [B, Hq, D] unrotated
+    k: torch.Tensor,  # [B, Hkv, D] unrotated
+    v: torch.Tensor,  # [B, Hkv, D]
+    positions: torch.Tensor,  # [B] int64
     inv_freq: torch.Tensor,  # [D / 2] float32
     rope_scaling: float,
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    meta: AttentionMetadata,  # Q query rows per sequence (causal or a [Q, Q] mask each)
+    meta: AttentionMetadata,  # one query row per sequence
     scale: float | None = None,
     num_splits: int = 1,
-) -> torch.Tensor:  # [T, Hq, D] in q's dtype
+) -> torch.Tensor:  # [B, Hq, D] in q's dtype
     """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
-    sequence's Q query rows over its context and its own visible rows. Reads nothing from
-    the device on the host: `num_splits` is the caller's (a graph fixes it per bucket)."""
-    t, hq, d = q.shape
+    sequence's one query row over its context and itself. Reads nothing from the device on
+    the host: `num_splits` is the caller's (a graph fixes it per bucket)."""
+    bsz, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
-    bsz = meta.num_seqs
-    assert fuses(meta), f"rows per sequence {meta.q_lens_host[:4]}: uniform, <= {MAX_Q}"
-    ql = meta.q_lens_host[0]
-    assert t == bsz * ql, "q rows != sequences x rows"
-    assert k.shape == (t, hkv, d) and v.shape == (t, hkv, d), "q, k, v shapes"
+    assert meta.num_seqs == bsz and all(x == 1 for x in meta.q_lens_host), "one row per sequence"
+    assert k.shape == (bsz, hkv, d) and v.shape == (bsz, hkv, d), "q, k, v shapes"
     assert dk == d and hq % hkv == 0 and bs == meta.block_size and v_cache.shape == k_cache.shape
     assert supported(q, inv_freq) and inv_freq.dtype == torch.float32
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    assert k_cache.stride(0) == bs * k_cache.stride(1), "slots must be contiguous"
-    assert positions.shape == (t,) and positions.dtype == torch.int64
-    assert meta.slot_mapping.shape == (t,) and meta.slot_mapping.dtype == torch.int64
+    assert positions.shape == (bsz,) and positions.dtype == torch.int64
+    assert meta.slot_mapping.shape == (bsz,) and meta.slot_mapping.dtype == torch.int64
     assert meta.context_lens.dtype == torch.int32 and meta.block_tables.dtype == torch.int32
     assert meta.block_tables.stride(1) == 1 and num_splits >= 1
-    has_mask = any(o >= 0 for o in meta.mask_offsets_host)
-    if has_mask:
-        assert meta.custom_mask is not None and meta.custom_mask.dtype == torch.bool
     dev = q.device
-    out = torch.empty((t, hq, d), dtype=q.dtype, device=dev)
-    if t == 0:
+    out = torch.empty((bsz, hq, d), dtype=q.dtype, device=dev)
+    if bsz == 0:
         return out
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     group = hq // hkv
-    group_p, q_p = _next_pow2(group), _next_pow2(ql)
-    block_m = max(16, q_p * group_p)
+    block_n = block_n_for(d)
     splits = num_splits
-    part = torch.empty((t, hq, splits, d), dtype=torch.float32, device=dev) if splits > 1 else out
-    lse = torch.empty((t, hq, splits), dtype=torch.float32, device=dev) if splits > 1 else out
+    part = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=dev) if splits > 1 else out
+    lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=dev) if splits > 1 else out
     ps = (hq * splits * d, splits * d, d) if splits > 1 else (0, 0, 0)
     ls = (hq * splits, splits) if splits > 1 else (0, 0)
-    mask = (meta.custom_mask if has_mask else meta.mask_offsets).view(torch.uint8)
     _decode_attn_kernel[(bsz, hkv, splits)](
         out, part, lse, q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens,
-        positions, meta.slot_mapping, meta.mask_offsets, mask, inv_freq,
-        ql, scale * _LOG2E, rope_scaling,
+        positions, meta.slot_mapping, inv_freq, scale * _LOG2E, rope_scaling,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), *ps, *ls,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
-        HEAD_DIM=d, GROUP=group, GROUP_P=group_p, Q_P=q_p, BLOCK_M=block_m,
-        NEW_P=max(16, q_p), BLOCK_N=block_n_for(d), BLOCK_SIZE=bs, NUM_SPLITS=splits,
-        HAS_MASK=has_mask, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=4 if block_m <= 32 else 8, **pdl_args(dev),
+        HEAD_DIM=d, GROUP=group, BLOCK_M=max(16, _next_pow2(group)), BLOCK_N=block_n,
+        BLOCK_SIZE=bs, NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=4,
+        **pdl_args(dev),
     )
     if splits > 1:
-        _merge_kernel[(t, hq)](
+        _merge_kernel[(bsz, hq)](
             out, part, lse, out.stride(0), out.stride(1), *ps, *ls,
             HEAD_DIM=d, NUM_SPLITS=splits, SPLITS_P=_next_pow2(splits), num_warps=4,
             **pdl_args(dev),
