@@ -210,3 +210,33 @@ def test_skinny_fma_rows_fold_the_prologue(m, prologue):
     out = skinny_linear(x, w, residual=res.clone(), **kw)
     tol = {"atol": 3e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
     torch.testing.assert_close(out, ref, **tol)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="the CPU model check runs under the interpreter")
+def test_fused_triton_path_speculation_equals_plain(tiny_llama, tiny_draft, monkeypatch):
+    """The GPU's model path (fused matmuls; rotary, KV write and attention in one kernel for
+    decode steps, the general kernel for verification) under the interpreter: greedy chains
+    and trees give the outputs of plain greedy decoding on the reference path."""
+    from specdec import LLM, SamplingParams
+    from verify_kernels import backend as triton_backend
+
+    fused_calls = []
+    kernel = triton_backend.decode_attention
+    monkeypatch.setattr(triton_backend, "decode_attention",
+                        lambda *a, **kw: fused_calls.append(1) or kernel(*a, **kw))
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [9, 10, 11, 9, 10, 11, 9, 10, 12], [7, 8]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama), speculative={"method": "none"})
+    ref = [plain.generate([p], greedy)[0].token_ids for p in prompts]
+    specs = [{"method": "ngram", "num_speculative_tokens": 4, "branches": 2},
+             {"method": "draft_model", "draft_model": str(tiny_draft),
+              "num_speculative_tokens": 3}, None]
+    llm = LLM(model=str(tiny_llama), speculative={"method": "none"},
+              attention_backend="triton")
+    llm.engine.runner.model.fused = True
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, speculative=s)
+              for s in specs]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    assert outs[0].spec.steps > 0 and outs[1].spec.steps > 0
+    assert fused_calls  # the plain request's decode steps
