@@ -2,9 +2,11 @@
 # What the device machine runs, in two parts that each fit a 10-minute call:
 #   kernels: kernel tests in bf16, the graph runner's GPU tests, the decode-step profile;
 #   engine:  the engine benchmark (both model shapes; cold kernel caches make its graph
-#            captures slow, hence the budget).
+#            captures slow, hence the budget);
+#   attn:    decode attention fused vs two launches, PDL on/off, and a GPU timeline
+#            (bench/gpu_decode_attn.py).
 # Needs nothing from the network. From the repo root:
-#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|all]
+#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|all]
 set -uo pipefail
 out="${1:-${OUT:-bench/results/tmp}}"
 part="${2:-all}"
@@ -14,14 +16,18 @@ export PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
-  if [ "$part" != engine ]; then
+  if [ "$part" = kernels ] || [ "$part" = all ]; then
     SPECDEC_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q --noconftest -p no:cacheprovider \
-      tests/test_kernels.py tests/test_fused_ops.py 2>&1 | tail -15
+      tests/test_kernels.py tests/test_fused_ops.py tests/test_decode_attention.py \
+      tests/test_argmax.py 2>&1 | tail -15
     timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tail -5
     timeout 180 python3 bench/gpu_step_profile.py --skip-linear --out "$out"
   fi
-  if [ "$part" != kernels ]; then
+  if [ "$part" = engine ] || [ "$part" = all ]; then
     timeout "${BENCH_TIMEOUT:-560}" python3 bench/gpu_engine.py --out "$out" \
       --budget-s "${BENCH_BUDGET:-540}"
+  fi
+  if [ "$part" = attn ] || [ "$part" = all ]; then
+    timeout 450 python3 bench/gpu_decode_attn.py --out "$out"
   fi
 } 2>&1 | tee "$out/gpu_run_${part}.log"
