@@ -4,7 +4,10 @@ A step qualifies when its segments fit a bucket (B sequences, Q query rows each)
 is padded to Q rows and the batch to B sequences, so one captured graph serves every step of
 that shape. Graph inputs live in a static device buffer that is filled, once per step, by one
 non-blocking copy from a pinned host buffer; the attention kernel reads the step's metadata
-from device memory, so with its grid and split count fixed per bucket a replay is exact.
+from device memory, so with its grid and split count fixed per bucket a replay is exact. In
+buckets of one row per sequence the LM head is part of the graph too, and the step's logits are
+a view of the graph's output, valid until the next replay (everything that reads them is
+queued before the engine launches another step).
 
 Padding, and why it is harmless:
 - a padded row has slot -1 (the KV write skips it), position 0 and token 0;

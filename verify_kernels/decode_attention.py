@@ -12,12 +12,12 @@ so launches and load latency set the time. This kernel shortens both:
 - a program's loads are its context length, then block-table entries, then K and V together.
 
 Split-KV (flash decoding) spreads a sequence's KV over NUM_SPLITS programs per KV head; only the
-splits the context reaches do work, and `_merge_kernel` combines their normalised partials by
-log-sum-exp, reading the context to know how many there are (folding the merge into the last
-split to finish, by an atomic count, measured slower on the H200: 11.5 against 8.9 us per layer
-at batch 1; asking L2 for the o_proj weight during attention made the step 1.5% slower: the
-attention's own loads wait behind it). Rounding follows the unfused path:
-rotated q and k are rounded to the model dtype before the products. The reference is
+splits the context reaches do work (the others write an empty partial, so that the merge reads
+nothing stale), and `_merge_kernel` combines the normalised partials by log-sum-exp. Measured
+slower on the H200 and not kept: folding the merge into the last split to finish, by an atomic
+count (11.5 against 8.9 us per layer at batch 1); asking L2 for the o_proj weight during
+attention (step 1.5% slower: the attention's own loads wait behind it). Rounding follows the
+unfused path: rotated q and k are rounded to the model dtype before the products. The reference is
 `decode_attention_ref` (rotary and KV write, then `specdec.attention.paged_attention_ref`).
 """
 
