@@ -81,7 +81,7 @@ def kernels_at(bsz: int, rows: list) -> None:
         return (x[:, :HQ * D].view(bsz, HQ, D), x[:, HQ * D:(HQ + HKV) * D].view(bsz, HKV, D),
                 x[:, (HQ + HKV) * D:].view(bsz, HKV, D))
 
-    for splits in (1, 2, 4, 8, 16, 32):
+    for splits in (1, 2, 4, 8, 16, 32, 64):
         if bsz * HKV * splits > 8 * 132 or (bsz >= 16 and splits > 4):
             continue
 
@@ -96,9 +96,15 @@ def kernels_at(bsz: int, rows: list) -> None:
                              num_splits=splits)
 
         t_old, t_new = graph_us(old), graph_us(new)
-        rows.append({"batch": bsz, "splits": splits, "two_launch_us": t_old, "fused_us": t_new})
-        gs.log(f"b{bsz} splits {splits}: rope+paged {t_old:.2f} us/layer, "
-               f"fused decode {t_new:.2f} us/layer")
+        row = {"batch": bsz, "splits": splits, "two_launch_us": t_old, "fused_us": t_new}
+        for bn, warps in ((64, 8), (32, 4), (32, 8)):  # tiles that do not spill registers
+            row[f"fused_n{bn}_w{warps}_us"] = graph_us(
+                lambda i, splits=splits, bn=bn, warps=warps: decode_attention(
+                    *qkv_of(i), pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088,
+                    num_splits=splits, block_n=bn, num_warps=warps))
+        rows.append(row)
+        gs.log(f"b{bsz} splits {splits}: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in row.items() if k.endswith("_us")))
 
 
 def kernels(out: dict) -> None:

@@ -23,7 +23,7 @@ TOL = {"atol": 4e-2, "rtol": 4e-2} if ON_CUDA else {"atol": 2e-5, "rtol": 2e-5}
 
 
 def run(ctxs: list[int], hq: int, hkv: int, d: int, bs: int, splits: int, seed: int,
-        pad: tuple[int, ...] = ()) -> None:
+        pad: tuple[int, ...] = (), **tiles) -> None:
     """Sequences with these contexts decode one token each; rows in `pad` are padding (slot
     -1: nothing written, output unread)."""
     g = torch.Generator().manual_seed(seed)
@@ -45,7 +45,7 @@ def run(ctxs: list[int], hq: int, hkv: int, d: int, bs: int, splits: int, seed: 
     ref = decode_attention_ref(q.float(), k.float(), v.float(), pos, inv, 1.1, kc_ref, vc_ref,
                                meta)
     qkv_before = qkv.clone()
-    out = decode_attention(q, k, v, pos, inv, 1.1, kc, vc, meta, num_splits=splits)
+    out = decode_attention(q, k, v, pos, inv, 1.1, kc, vc, meta, num_splits=splits, **tiles)
     assert out.shape == q.shape and out.dtype == q.dtype
     keep = [i for i in range(b) if i not in pad]
     torch.testing.assert_close(out[keep].float(), ref[keep], **TOL)
@@ -70,3 +70,9 @@ def test_decode_split(splits):
 def test_decode_padding_rows_write_nothing():
     run([40, 0, 7, 0], 8, 2, 64, 16, splits=4, seed=3, pad=(1, 3))
 
+
+
+def test_decode_tile_choices():
+    """The tile and warp counts the benchmark times give the same result."""
+    run([0, 70, 200], 8, 2, 64, 16, splits=4, seed=6, block_n=32, num_warps=8)
+    run([0, 70, 200], 8, 2, 64, 16, splits=1, seed=7, block_n=16)

@@ -237,10 +237,15 @@ def decode_attention(
     meta: AttentionMetadata,  # one query row per sequence
     scale: float | None = None,
     num_splits: int = 1,
+    block_n: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:  # [B, Hq, D] in q's dtype
     """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
     sequence's one query row over its context and itself. Reads nothing from the device on
-    the host: `num_splits` is the caller's (a graph fixes it per bucket)."""
+    the host: `num_splits` is the caller's (a graph fixes it per bucket). `block_n` (KV columns
+    per tile, a power of two >= 16) and `num_warps` are there to be timed
+    (bench/gpu_decode_attn.py): with 4 warps and 64-column tiles the kernel compiles to 255
+    registers and spills for head dim 128 (sm_90, Triton 3.9); 8 warps or 32 columns do not."""
     bsz, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
     assert meta.num_seqs == bsz and all(x == 1 for x in meta.q_lens_host), "one row per sequence"
@@ -259,7 +264,8 @@ def decode_attention(
         return out
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     group = hq // hkv
-    block_n = block_n_for(d)
+    block_n = block_n or block_n_for(d)
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
     splits = num_splits
     part = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=dev) if splits > 1 else out
     lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=dev) if splits > 1 else out
@@ -274,7 +280,7 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         HEAD_DIM=d, GROUP=group, BLOCK_M=max(16, _next_pow2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=bs, NUM_SPLITS=splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=4,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=num_warps,
         **pdl_args(dev),
     )
     if splits > 1:
