@@ -16,6 +16,7 @@ Also programmatic dependent launch on and off (verify_kernels/pdl.py).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import tempfile
@@ -223,6 +224,7 @@ def main() -> None:
 
     out: dict = {"note": gs.NOTE, "gpu": torch.cuda.get_device_name(0),
                  "torch": torch.__version__, "triton": triton.__version__,
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                  "context_tokens": gs.CTX}
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
