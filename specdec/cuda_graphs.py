@@ -4,10 +4,8 @@ A step qualifies when its segments fit a bucket (B sequences, Q query rows each)
 is padded to Q rows and the batch to B sequences, so one captured graph serves every step of
 that shape. Graph inputs live in a static device buffer that is filled, once per step, by one
 non-blocking copy from a pinned host buffer; the attention kernel reads the step's metadata
-from device memory, so with its grid and split count fixed per bucket a replay is exact. In
-buckets of one row per sequence the LM head is part of the graph too, and the step's logits are
-a view of the graph's output, valid until the next replay (everything that reads them is
-queued before the engine launches another step).
+from device memory, so with its grid and split count fixed per bucket a replay is exact. With
+one row per sequence the LM head is in the graph too; its logits are valid until the next replay.
 
 Padding, and why it is harmless:
 - a padded row has slot -1 (the KV write skips it), position 0 and token 0;
@@ -76,8 +74,8 @@ class Layout:
     def rows_at(self) -> int:
         return 3 * self.tokens + self.batch
 
-    # One staging area per step, copied to the device in one transfer (each transfer costs the
-    # GPU several microseconds between kernels): int64 part, then int32, then the masks.
+    # One staging area per step, one transfer (each costs the GPU microseconds between
+    # kernels): int64 part, then int32, then the masks.
     @property
     def at32(self) -> int:  # byte offset of the int32 part
         return 8 * self.n64
@@ -204,10 +202,9 @@ class _FixedSplits:
 
 
 def split_candidates(first: int) -> list[int]:
-    """Split counts timed against the heuristic's `first`: the powers of two from the one at or
-    below first // 4 (or 1) up to, not including, first. None from 16 up (one or two
-    sequences, one KV tile per split): there fewer splits gained nothing measurable on the
-    H200, and each count tried compiles kernel variants, slowing a cold start."""
+    """Split counts timed against the heuristic's `first`: the powers of two from first // 4 (or
+    1) up to, not including, first. None from 16 up (one or two sequences): there fewer splits
+    gained nothing measurable on the H200, and each count compiles kernels at a cold start."""
     if first >= 16:
         return []
     s = 1 << max(0, (first // 4).bit_length() - 1)
@@ -287,8 +284,7 @@ class GraphRunner:
         graph.replay()
         self.replays += 1
         if logits is not None and n_rows == len(segments):  # one row each, in order
-            # Views of the graph's memory, valid until its next replay: whatever reads them is
-            # queued on the stream before the engine launches another step.
+            # Views of graph memory: their readers are queued before the next step's replay.
             return StepOutput(logits[:n_rows], hidden[:n_rows], offsets)
         idx = d64[lay.rows_at:lay.rows_at + n_rows]
         h = hidden.index_select(0, idx)  # [rows, hidden], outside the graph's memory
@@ -346,10 +342,9 @@ class GraphRunner:
 
     def _tune_splits(self, lay: Layout, graph: torch.cuda.CUDAGraph, outs: Outputs
                      ) -> tuple[torch.cuda.CUDAGraph, Outputs]:
-        """Time the bucket's step with fewer KV splits than the heuristic's (the powers of two
-        from a quarter of it): where the heuristic splits to fill the GPU, the merge and the
-        uneven split lengths can cost more than the parallelism gains (H200: 3 splits at 16
-        sequences of 8 rows 11% slower than 2; bench/gpu_splits.py)."""
+        """Time the bucket's step with fewer KV splits than the heuristic's (split_candidates):
+        the merge and uneven split lengths can cost more than the parallelism gains (H200: 3
+        splits at 16 sequences of 8 rows 11% slower than 2; bench/gpu_splits.py)."""
         key = (lay.batch, lay.q)
         first = self.num_splits(*key)
         best, kept = self._replay_ms(graph), first

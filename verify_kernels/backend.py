@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from specdec.attention import AttentionMetadata
-from verify_kernels.decode_attention import decode_attention, decode_splits
+from verify_kernels.decode_attention import decode_attention
 from verify_kernels.kv_ops import write_kv
-from verify_kernels.paged_attention import _num_sms, paged_attention
+from verify_kernels.paged_attention import choose_num_splits, paged_attention
 
 
 class TritonAttentionBackend:
@@ -53,10 +53,7 @@ class TritonAttentionBackend:
         num_splits: int | None = None,
     ) -> torch.Tensor:  # [B, Hq, D]
         if num_splits is None:
-            dev = q.device
-            sms = 1 if dev.type != "cuda" else _num_sms(
-                dev.index if dev.index is not None else torch.cuda.current_device())
-            num_splits = decode_splits(q.shape[0], k.shape[1], meta.max_seq_len, sms)
+            num_splits = choose_num_splits(meta, q.shape[1], k.shape[1], q.device)
         return decode_attention(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
                                 meta, scale, num_splits)
 

@@ -13,7 +13,7 @@ so launches and load latency set the time. This kernel shortens both:
 
 Split-KV (flash decoding) spreads a sequence's KV over NUM_SPLITS programs per KV head; only the
 splits the context reaches do work (the others write an empty partial, so that the merge reads
-nothing stale), and `_merge_kernel` combines the normalised partials by log-sum-exp. Measured
+nothing stale), and `paged_attention.merge_splits` combines the partials by log-sum-exp. Measured
 slower on the H200 and not kept: folding the merge into the last split to finish, by an atomic
 count (11.5 against 8.9 us per layer at batch 1); asking L2 for the o_proj weight during
 attention (step 1.5% slower: the attention's own loads wait behind it). Rounding follows the
@@ -30,9 +30,10 @@ import triton
 import triton.language as tl
 
 from specdec.attention import AttentionMetadata, paged_attention_ref
+from verify_kernels.paged_attention import merge_splits
 from verify_kernels.pdl import pdl_args, pdl_wait_release
 
-__all__ = ["decode_attention", "decode_attention_ref", "decode_splits"]
+__all__ = ["decode_attention", "decode_attention_ref"]
 
 _LOG2E = 1.4426950408889634
 
@@ -180,43 +181,12 @@ def _decode_attn_kernel(
             tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
-def _merge_kernel(
-    out_ptr,  # [B, Hq, D]
-    part_ptr,  # [B, Hq, NUM_SPLITS, D] float32
-    lse_ptr,  # [B, Hq, NUM_SPLITS] float32, -inf for splits past the context
-    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_wait_release(USE_PDL)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_P)
-    d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s < NUM_SPLITS,
-                  other=float("-inf"))
-    part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                   mask=(s < NUM_SPLITS)[:, None], other=0.0)  # [SPLITS_P, D]
-    w = tl.math.exp2(lse - tl.max(lse, 0))  # [SPLITS_P]; split 0 is never empty
-    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
-
-
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
 def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
-
-
-def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
-    """Split-KV count: about two programs per SM, one KV tile each at the longest context."""
-    programs = batch * num_kv_heads
-    if programs >= sms:
-        return 1
-    return max(1, min(-(-2 * sms // programs), -(-max_seq_len // 64), 32))
 
 
 def supported(q: torch.Tensor, inv_freq: torch.Tensor) -> bool:
@@ -284,11 +254,7 @@ def decode_attention(
         **pdl_args(dev),
     )
     if splits > 1:
-        _merge_kernel[(bsz, hq)](
-            out, part, lse, out.stride(0), out.stride(1), *ps, *ls,
-            HEAD_DIM=d, NUM_SPLITS=splits, SPLITS_P=_next_pow2(splits), num_warps=4,
-            **pdl_args(dev),
-        )
+        merge_splits(out, part, lse)
     return out
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from specdec.attention import AttentionMetadata, paged_attention_ref
 
-__all__ = ["choose_num_splits", "paged_attention", "paged_attention_ref"]
+__all__ = ["choose_num_splits", "merge_splits", "paged_attention", "paged_attention_ref"]
 
 _LOG2E = 1.4426950408889634
 
@@ -329,9 +329,21 @@ def paged_attention(
         num_warps=4,
     )
     if splits > 1:
-        _reduce_kernel[(t, hq)](
-            out, part, lse, hq, hq * d, d,
-            HEAD_DIM=d, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits,
-            SPLITS_P=_next_pow2(splits), num_warps=4,
-        )
+        merge_splits(out, part, lse)
     return out
+
+
+def merge_splits(
+    out: torch.Tensor,  # [T, Hq, D], written
+    part: torch.Tensor,  # [T, Hq, S, D] float32, each split's normalised partial
+    lse: torch.Tensor,  # [T, Hq, S] float32, its log2-sum-exp (-inf: an empty split)
+) -> None:
+    """Combine split-KV partials by log-sum-exp (also used by decode_attention.py)."""
+    t, hq, splits, d = part.shape
+    assert out.shape == (t, hq, d) and out.is_contiguous() and part.is_contiguous()
+    assert lse.shape == (t, hq, splits) and lse.is_contiguous()
+    _reduce_kernel[(t, hq)](
+        out, part, lse, hq, hq * d, d,
+        HEAD_DIM=d, HEAD_DIM_P=max(16, _next_pow2(d)), NUM_SPLITS=splits,
+        SPLITS_P=_next_pow2(splits), num_warps=4,
+    )

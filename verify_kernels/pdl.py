@@ -11,9 +11,9 @@ writes visible) it touches only such read-only data:
 - the few-row matmul (skinny_gemm.py) loads its first weight tile before waiting;
 - decode attention (decode_attention.py) loads its context length, block-table entries and
   first K/V tile before waiting; q, k and v of the step come after;
-- the split merge waits first.
+- the split merge is launched without PDL (it runs after the attention kernel, as usual).
 
-Each of them calls `release` right after its wait, so launches run at most one kernel ahead
+Each of the others calls `release` right after its wait, so launches run at most one kernel ahead
 (a kernel waiting early holds SM slots, and a deeper chain of them would crowd the one that
 is running). A kernel launched without PDL (any PyTorch op) just runs after its predecessor.
 
