@@ -219,6 +219,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--kernels-only", action="store_true")
     args = ap.parse_args()
     import triton
 
@@ -233,6 +234,8 @@ def main() -> None:
     if not args.skip_kernels:
         kernels(out)
         (path / "gpu_decode_attn.json").write_text(json.dumps(out, indent=1))
+        if args.kernels_only:
+            return
     engine_ab(out, bw)
     (path / "gpu_decode_attn.json").write_text(json.dumps(out, indent=1))
 

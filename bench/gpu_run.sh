@@ -4,9 +4,12 @@
 #   engine:  the engine benchmark (both model shapes; cold kernel caches make its graph
 #            captures slow, hence the budget);
 #   attn:    decode attention fused vs two launches, PDL on/off, and a GPU timeline
-#            (bench/gpu_decode_attn.py).
+#            (bench/gpu_decode_attn.py);
+#   verify:  the attention kernels' bf16 tests, then tree attention fused vs two launches and
+#            the cost curve with it off and on (bench/gpu_verify_attn.py), then the decode
+#            kernel's tile and warp choices (bench/gpu_decode_attn.py --kernels-only).
 # Needs nothing from the network. From the repo root:
-#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|all]
+#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|verify|all]
 set -uo pipefail
 out="${1:-${OUT:-bench/results/tmp}}"
 part="${2:-all}"
@@ -29,5 +32,11 @@ export PYTHONUNBUFFERED=1
   fi
   if [ "$part" = attn ] || [ "$part" = all ]; then
     timeout 450 python3 bench/gpu_decode_attn.py --out "$out"
+  fi
+  if [ "$part" = verify ]; then
+    SPECDEC_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q --noconftest -p no:cacheprovider \
+      tests/test_tree_attention.py tests/test_decode_attention.py 2>&1 | tail -5
+    timeout 330 python3 bench/gpu_verify_attn.py --out "$out"
+    timeout 100 python3 bench/gpu_decode_attn.py --out "$out" --kernels-only
   fi
 } 2>&1 | tee "$out/gpu_run_${part}.log"

@@ -191,9 +191,8 @@ class _FixedSplits:
 
         return paged_attention(q, k_cache, v_cache, meta, scale, num_splits=self.splits)
 
-    @property
-    def fused_decode(self) -> bool:
-        return getattr(self.inner, "fused_decode", False)
+    def fuses(self, meta: AttentionMetadata) -> bool:
+        return self.inner.fuses(meta) if hasattr(self.inner, "fuses") else False
 
     def decode(self, q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -215,15 +215,18 @@ def test_skinny_fma_rows_fold_the_prologue(m, prologue):
 @pytest.mark.skipif(DEV == "cuda", reason="the CPU model check runs under the interpreter")
 def test_fused_triton_path_speculation_equals_plain(tiny_llama, tiny_draft, monkeypatch):
     """The GPU's model path (fused matmuls; rotary, KV write and attention in one kernel for
-    decode steps, the general kernel for verification) under the interpreter: greedy chains
-    and trees give the outputs of plain greedy decoding on the reference path."""
+    decode steps and for verification steps of uniform rows, the general kernel for ragged
+    ones) under the interpreter: greedy chains and trees give the outputs of plain greedy
+    decoding on the reference path."""
     from specdec import LLM, SamplingParams
     from verify_kernels import backend as triton_backend
 
-    fused_calls = []
-    kernel = triton_backend.decode_attention
+    fused_calls, tree_calls = [], []
+    kernel, tree_kernel = triton_backend.decode_attention, triton_backend.tree.tree_attention
     monkeypatch.setattr(triton_backend, "decode_attention",
                         lambda *a, **kw: fused_calls.append(1) or kernel(*a, **kw))
+    monkeypatch.setattr(triton_backend.tree, "tree_attention",
+                        lambda *a, **kw: tree_calls.append(1) or tree_kernel(*a, **kw))
     prompts = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [9, 10, 11, 9, 10, 11, 9, 10, 12], [7, 8]]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     plain = LLM(model=str(tiny_llama), speculative={"method": "none"})
@@ -240,3 +243,6 @@ def test_fused_triton_path_speculation_equals_plain(tiny_llama, tiny_draft, monk
     assert [o.token_ids for o in outs] == ref
     assert outs[0].spec.steps > 0 and outs[1].spec.steps > 0
     assert fused_calls  # the plain request's decode steps
+    # Alone, a draft-model request verifies the same 4 rows every step: the fused tree kernel.
+    assert llm.generate([prompts[1]], params[1])[0].token_ids == ref[1]
+    assert tree_calls

@@ -5,18 +5,26 @@ from __future__ import annotations
 import torch
 
 from specdec.attention import AttentionMetadata
+from verify_kernels import tree_attention as tree
 from verify_kernels.decode_attention import decode_attention
 from verify_kernels.kv_ops import write_kv
 from verify_kernels.paged_attention import choose_num_splits, paged_attention
 
 
 class TritonAttentionBackend:
-    """`fused_decode`: steps of one query row per sequence go through `decode` (rotary, KV write
-    and attention in one kernel, verify_kernels/decode_attention.py) instead of a rotary + KV
-    write launch and `attend`. Off only to measure the difference."""
+    """Steps that `fuses` go through `decode` (rotary, KV write and attention in one kernel)
+    instead of a rotary + KV write launch and `attend`: one row per sequence
+    (verify_kernels/decode_attention.py) when `fused_decode`, the same 2 to 16 rows per sequence
+    (verify_kernels/tree_attention.py) when `fused_tree`. Off only to measure the difference."""
 
     name = "triton"
     fused_decode = True
+    fused_tree = True
+
+    def fuses(self, meta: AttentionMetadata) -> bool:
+        if meta.all_decode:
+            return self.fused_decode
+        return self.fused_tree and tree.fuses(meta)
 
     def write_kv(
         self,
@@ -40,10 +48,10 @@ class TritonAttentionBackend:
 
     def decode(
         self,
-        q: torch.Tensor,  # [B, Hq, D] unrotated
-        k: torch.Tensor,  # [B, Hkv, D] unrotated
-        v: torch.Tensor,  # [B, Hkv, D]
-        positions: torch.Tensor,  # [B] int64
+        q: torch.Tensor,  # [T, Hq, D] unrotated (T = B, or B x rows for a tree step)
+        k: torch.Tensor,  # [T, Hkv, D] unrotated
+        v: torch.Tensor,  # [T, Hkv, D]
+        positions: torch.Tensor,  # [T] int64
         inv_freq: torch.Tensor,  # [D / 2] float32
         rope_scaling: float,
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -51,9 +59,10 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         num_splits: int | None = None,
-    ) -> torch.Tensor:  # [B, Hq, D]
+    ) -> torch.Tensor:  # [T, Hq, D]
         if num_splits is None:
             num_splits = choose_num_splits(meta, q.shape[1], k.shape[1], q.device)
-        return decode_attention(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
-                                meta, scale, num_splits)
+        fn = decode_attention if meta.all_decode else tree.tree_attention
+        return fn(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache, meta, scale,
+                  num_splits)
 

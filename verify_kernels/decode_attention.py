@@ -60,10 +60,11 @@ def _load_kv(cols, hi, bt_row, k_base, v_base, d, stride_kb, stride_ks, stride_v
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, k, v, col_ok, scale_log2, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of q [BLOCK_M, D] over a loaded K/V tile."""
+def _attend_tile(q, m_i, l_i, acc, k, v, vis, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of q [BLOCK_M, D] over a loaded tile, K [D, N] and V [N, D], of
+    which `vis` ([BLOCK_M, N] or [1, N]) says what each row sees."""
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(col_ok[None, :], s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+    s = tl.where(vis, s, float("-inf"))  # [BLOCK_M, N]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_safe[:, None])
@@ -143,11 +144,12 @@ def _decode_attn_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok, scale_log2, DOT_PRECISION)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
+                                     DOT_PRECISION)
         for start in range(lo + BLOCK_N, cache_hi, BLOCK_N):
             k, v, col_ok = _load_kv(start + n, cache_hi, bt_row, k_base, v_base, d, stride_kb,
                                     stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok, scale_log2,
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
                                          DOT_PRECISION)
         if ctx < hi:  # this program holds the new column: rotate k, write k and v, score it
             k_row = k_ptr + b * stride_kb_new + kvh * stride_kh_new

@@ -120,7 +120,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv, rs = self.rotary.inv_freq, self.rotary.attention_scaling
-        if meta.all_decode and getattr(backend, "fused_decode", False):  # rotary + KV inside
+        if hasattr(backend, "fuses") and backend.fuses(meta):  # rotary and KV write inside
             o = backend.decode(q, k, v, positions, inv, rs, kv[0], kv[1], meta, self.scale)
         else:
             rope_write_kv(q, k, v, positions, inv, rs, kv[0], kv[1], meta.slot_mapping)

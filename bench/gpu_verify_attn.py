@@ -1,0 +1,168 @@
+"""Verification steps on the GPU: the fused tree attention kernel (rotary + KV write + attention
+over the context and the step's own rows, verify_kernels/tree_attention.py) against the
+two-launch path it replaces (rope_write_kv, then the general paged attention), side by side.
+
+1. Kernels alone: 32 layers' worth of attention for Q rows per sequence under a binary-tree
+   mask (Llama-3.1-8B heads, 1k context, each layer on its own KV) in one CUDA graph, per
+   layer, over split counts and warp counts.
+2. The runner (Llama-3.1-8B shape, random weights, bf16): the verification cost curve (time of
+   a Q-row step over a 1-row decode step) with the fused tree kernel off and on, alternated,
+   and the GPU time of each kernel in a 1-row and an 8-row step at batch 1 (torch.profiler).
+
+    PYTHONPATH=. python3 bench/gpu_verify_attn.py --out DIR   (writes DIR/gpu_verify_attn.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_setup as gs
+from gpu_decode_attn import BS, HKV, HQ, LAYERS, D, graph_us
+
+
+def kernels_at(bsz: int, rows: int, out: list) -> None:
+    from specdec.attention import AttentionMetadata
+    from verify_kernels.fused_ops import rope_write_kv
+    from verify_kernels.paged_attention import paged_attention
+    from verify_kernels.tree_attention import tree_attention
+
+    ctx = gs.CTX
+    inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+    per = -(-(ctx + rows) // BS)
+    nb = bsz * per
+    caches = [torch.randn(2, nb, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+              for _ in range(LAYERS)]
+    t = bsz * rows
+    qkv = [torch.randn(t, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+           for _ in range(LAYERS)]
+    i32 = {"dtype": torch.int32, "device": "cuda"}
+    tables = torch.arange(nb, **i32).view(bsz, per)
+    cols = ctx + torch.arange(rows, device="cuda")
+    slots = (tables[:, cols // BS].long() * BS + cols % BS).flatten()
+    parents = gs.tree_parents(rows - 1)
+    from drafters.tree import ancestor_mask_of
+
+    mask = ancestor_mask_of(parents).flatten().to("cuda").repeat(bsz)
+    meta = AttentionMetadata(
+        torch.arange(0, t + 1, rows, **i32), torch.full((bsz,), ctx, **i32),
+        torch.full((bsz,), ctx + rows, **i32), tables, slots, mask,
+        torch.arange(0, bsz * rows * rows, rows * rows, device="cuda"), (rows,) * bsz,
+        (ctx,) * bsz, tuple(range(0, bsz * rows * rows, rows * rows)), BS)
+    pos = (ctx + torch.arange(rows, device="cuda")).repeat(bsz)
+
+    def qkv_of(i):
+        x = qkv[i]
+        return (x[:, :HQ * D].view(t, HQ, D), x[:, HQ * D:(HQ + HKV) * D].view(t, HKV, D),
+                x[:, (HQ + HKV) * D:].view(t, HKV, D))
+
+    for splits in (1, 4, 8, 16, 32):
+        if bsz * HKV * splits > 8 * 132:
+            continue
+
+        def old(i, splits=splits):
+            q, k, v = qkv_of(i)
+            rope_write_kv(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], slots)
+            paged_attention(q, caches[i][0], caches[i][1], meta, 0.088, num_splits=splits)
+
+        row = {"batch": bsz, "rows": rows, "splits": splits, "two_launch_us": graph_us(old)}
+        for warps in (4, 8):
+            row[f"fused_w{warps}_us"] = graph_us(
+                lambda i, splits=splits, warps=warps: tree_attention(
+                    *qkv_of(i), pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088,
+                    num_splits=splits, num_warps=warps))
+        out.append(row)
+        gs.log(json.dumps(row))
+
+
+def kernel_times(engine, segs, steps: int = 20) -> dict:
+    """GPU microseconds per runner step by kernel name, and the step's span and busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        engine.runner.execute(segs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.runner.execute(segs)
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    if not ev:
+        return {"error": "no CUDA events recorded"}
+    by: dict = {}
+    for e in ev:
+        us, n = by.get(e.name[:70], (0.0, 0.0))
+        by[e.name[:70]] = (us + (e.time_range.end - e.time_range.start) / steps, n + 1 / steps)
+    span = (ev[-1].time_range.end - ev[0].time_range.start) / steps
+    busy = sum(us for us, _ in by.values())
+    return {"span_us": span, "busy_us": busy,
+            "kernels": {k: {"us": round(us, 2), "count": round(n, 2)}
+                        for k, (us, n) in sorted(by.items(), key=lambda kv: -kv[1][0])}}
+
+
+def runner_ab(out: dict) -> None:
+    tmp = Path(tempfile.mkdtemp())
+    engine = gs.build_engine(gs.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton",
+                             num_blocks=2600)
+    engine.runner.kv.normal_()
+    runner, backend = engine.runner, engine.runner.backend
+    rows_b = {1: (1, 2, 4, 8, 16), 8: (1, 4, 8)}
+    res = []
+    for fused in (False, True, False, True):
+        backend.fused_tree = fused
+        runner.graphs.graphs.clear()  # recaptured with this path (tiles stay as tuned)
+        runner.graphs.splits.clear()
+        for bsz, rows in rows_b.items():
+            row: dict = {"fused_tree": fused, "batch": bsz}
+            base = gs.time_steps(engine, gs.step_segments(engine, bsz, 1, gs.CTX), iters=40)
+            row["decode_step_ms"] = base * 1e3
+            for n in rows[1:]:
+                t = gs.time_steps(engine, gs.step_segments(engine, bsz, n, gs.CTX), iters=40)
+                row[f"step_ms_{n}"] = t * 1e3
+                row[f"cost_{n}"] = t / base
+            row["splits"] = {str(k): v for k, v in runner.graphs.splits.items()}
+            gs.log(json.dumps(row))
+            res.append(row)
+    out["runner_ab"] = res
+    backend.fused_tree = True
+    out["kernel_times_b1"] = {
+        str(n): kernel_times(engine, gs.step_segments(engine, 1, n, gs.CTX)) for n in (1, 8)}
+    for n, kt in out["kernel_times_b1"].items():
+        gs.log(f"rows {n}: span {kt.get('span_us', 0):.0f} us, busy {kt.get('busy_us', 0):.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--skip-kernels", action="store_true")
+    args = ap.parse_args()
+    import triton
+
+    out: dict = {"note": gs.NOTE, "gpu": torch.cuda.get_device_name(0),
+                 "torch": torch.__version__, "triton": triton.__version__,
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "context_tokens": gs.CTX}
+    path = Path(args.out)
+    path.mkdir(parents=True, exist_ok=True)
+    dst = path / "gpu_verify_attn.json"
+    if not args.skip_kernels:
+        rows: list = []
+        for bsz, rows_n in ((1, 2), (1, 4), (1, 8), (1, 16), (8, 4), (8, 8)):
+            kernels_at(bsz, rows_n, rows)
+        out["kernels_per_layer"] = rows
+        dst.write_text(json.dumps(out, indent=1))
+    runner_ab(out)
+    dst.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The fused verification attention kernel (rotary, KV write, split-KV attention over the
+context and the step's own rows under each sequence's tree mask, merge) against its reference.
+Interpreter in float32 on the CPU; bfloat16 on the GPU with SPECDEC_TEST_DEVICE=cuda.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_CUDA = os.environ.get("SPECDEC_TEST_DEVICE", "cpu") == "cuda"
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if ON_CUDA and not torch.cuda.is_available():
+    pytest.skip("SPECDEC_TEST_DEVICE=cuda but no GPU", allow_module_level=True)
+
+from test_kernels import DEV, DTYPE, make_meta  # noqa: E402
+
+from verify_kernels.decode_attention import decode_attention_ref  # noqa: E402
+from verify_kernels.tree_attention import fuses, tree_attention  # noqa: E402
+
+TOL = {"atol": 4e-2, "rtol": 4e-2} if ON_CUDA else {"atol": 2e-5, "rtol": 2e-5}
+
+
+def run(specs: list, hq: int, hkv: int, d: int, bs: int, splits: int, seed: int,
+        pad: tuple[int, ...] = (), num_warps: int | None = None) -> None:
+    """Sequences (context, rows or tree parents) verify their rows; flattened rows in `pad`
+    are padding (slot -1: nothing written, output unread, seen by no real row)."""
+    g = torch.Generator().manual_seed(seed)
+    meta, nb = make_meta(specs, bs, g)
+    if pad:
+        slots = meta.slot_mapping.clone()
+        slots[list(pad)] = -1
+        meta = type(meta)(**{**meta.__dict__, "slot_mapping": slots})
+    t = sum(meta.q_lens_host)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d + 3, generator=g).to(DEV, DTYPE)  # a fused row
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].view(t, hkv, d)
+    pos = torch.cat([c + 3 + torch.arange(q) for c, q in zip(meta.context_lens_host,
+                                                               meta.q_lens_host)]).to(DEV)
+    inv = (1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))).to(DEV)
+    kc = torch.randn(nb, bs, hkv, d, generator=g).to(DEV, DTYPE)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(DEV, DTYPE)
+    kc_ref, vc_ref = kc.float(), vc.float()
+    ref = decode_attention_ref(q.float(), k.float(), v.float(), pos, inv, 1.1, kc_ref, vc_ref,
+                               meta)
+    qkv_before = qkv.clone()
+    assert fuses(meta)
+    out = tree_attention(q, k, v, pos, inv, 1.1, kc, vc, meta, num_splits=splits,
+                         num_warps=num_warps)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    keep = [i for i in range(t) if i not in pad]
+    torch.testing.assert_close(out[keep].float(), ref[keep], **TOL)
+    torch.testing.assert_close(kc.float(), kc_ref, **TOL)
+    torch.testing.assert_close(vc.float(), vc_ref, **TOL)
+    assert torch.equal(qkv, qkv_before), "q, k and v are inputs only"
+
+
+TREE7 = [-1, 0, 0, 1, 1, 2, 2]  # 8 rows: a binary tree below the root
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 64, 16), (32, 8, 128, 16), (7, 1, 64, 32)])
+def test_tree_no_split(hq, hkv, d, bs):
+    run([(0, TREE7), (17, 8), (70, TREE7), (130, [-1, 0, 1, 2, 3, 4, 5])], hq, hkv, d, bs,
+        splits=1, seed=hq * d + bs)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 32])
+def test_tree_split(splits):
+    # Empty contexts, one tile, many tiles, contexts shorter than the split count's reach.
+    run([(0, [-1, 0, 0]), (5, 4), (64, [-1, 0, 1]), (65, [-1, -1, 0]), (1000, 4)], 8, 2, 64,
+        16, splits=splits, seed=splits)
+    run([(129, [-1]), (640, 2)], 32, 8, 128, 16, splits=splits, seed=100 + splits)
+
+
+def test_tree_sixteen_rows_and_warps():
+    tree15 = [-1] + [i // 2 for i in range(14)]
+    run([(33, tree15), (200, 16)], 8, 2, 64, 16, splits=4, seed=5, num_warps=4)
+    run([(33, tree15), (200, 16)], 8, 2, 64, 16, splits=1, seed=6, num_warps=8)
+
+
+def test_tree_padding_rows_write_nothing():
+    # As the graph runner pads: the last rows of a sequence (seen only by themselves) and a
+    # whole sequence of context 0.
+    eye_tail = [-1, 0, -1, -1]  # rows 3 and 4 hang off the root: no real row sees them
+    run([(40, eye_tail), (0, eye_tail)], 8, 2, 64, 16, splits=4, seed=3,
+        pad=(3, 4, 5, 6, 7, 8, 9))
+
+
+def test_fuses_only_uniform_small_steps():
+    g = torch.Generator().manual_seed(0)
+    assert fuses(make_meta([(5, 4), (9, [-1, 0, 0])], 16, g)[0])
+    assert not fuses(make_meta([(5, 4), (9, 3)], 16, g)[0])  # ragged
+    assert not fuses(make_meta([(5, 1), (9, 1)], 16, g)[0])  # decode: decode_attention's
+    assert not fuses(make_meta([(5, 17)], 16, g)[0])

@@ -1,0 +1,236 @@
+"""Verification attention with rotary and the KV write folded in: the few-row sibling of
+`decode_attention.py`, one launch (plus a merge) per layer.
+
+A verification step gives every sequence Q query rows (the last accepted token and Q - 1 draft
+nodes; the graph runner pads each sequence to its bucket's Q). The general path costs two
+launches per layer (rope_write_kv, then `paged_attention.py`, which walks a chain of dependent
+loads: query starts, the owning sequence, its context, the block table, K, then V). Here:
+
+- q and the new k, v arrive as the qkv matmul wrote them; q is rotated in registers;
+- the cached columns [0, context) are spread over NUM_SPLITS programs per (sequence, KV head),
+  each loading its context length, then block-table entries, then K and V together;
+- the last split also takes the step's own Q columns (it holds the fewest cached ones, or none
+  when the context does not reach it): it rotates their keys, writes keys and values to the
+  cache at the step's slots, and scores them from registers under the sequence's [Q, Q] mask
+  (causal when it has none).
+
+A program's BLOCK_M rows are Q query tokens times the GROUP query heads of its KV head, so each
+K/V tile feeds every row. This is a separate kernel rather than a generalised decode kernel:
+folding Q > 1 into the decode kernel made 1-row steps slower on the H200 (4.74 against
+4.15 ms per Llama-3.1-8B step, `bench/results/gpu_engine_h200_20261130_smallq.*`). Rounding
+follows the unfused path. The reference is `decode_attention.decode_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.attention import AttentionMetadata
+from verify_kernels.decode_attention import _attend_tile, _load_kv, _rotate, supported
+from verify_kernels.paged_attention import merge_splits
+
+__all__ = ["MAX_Q", "fuses", "tree_attention"]
+
+_LOG2E = 1.4426950408889634
+MAX_Q = 16  # rows per sequence this kernel takes
+
+
+@triton.jit
+def _tree_attn_kernel(
+    out_ptr,  # [T, Hq, D] q dtype, T = B * Q
+    part_ptr,  # [T, Hq, NUM_SPLITS, D] float32 normalised partials (split only)
+    lse_ptr,  # [T, Hq, NUM_SPLITS] float32 log2-sum-exp of each partial (split only)
+    q_ptr,  # [T, Hq, D] unrotated
+    k_ptr,  # [T, Hkv, D] unrotated, the step's new keys
+    v_ptr,  # [T, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D], blocks contiguous
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    context_lens_ptr,  # [B] int32, KV entries before the step
+    pos_ptr,  # [T] int64
+    slot_ptr,  # [T] int64, negative = padding: nothing written
+    mask_offsets_ptr,  # [B] int64, -1 = causal
+    custom_mask_ptr,  # [M] uint8, per sequence a [Q, Q] visibility matrix (HAS_MASK only)
+    inv_ptr,  # [D / 2] float32 inverse frequencies
+    q_len, scale_log2, rope_scaling,
+    stride_qt, stride_qh, stride_kt, stride_kh_new, stride_vt, stride_vh_new,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, NEW_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    m = tl.arange(0, BLOCK_M)
+    t = m // GROUP_P  # the row's query token within the sequence
+    row_ok = (m % GROUP_P < GROUP) & (t < q_len)
+    tok = b * q_len + t
+    head = kvh * GROUP + m % GROUP_P
+    d = tl.arange(0, HEAD_DIM)
+    dp = (d + HALF) % HEAD_DIM
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    inv = tl.load(inv_ptr + d % HALF)
+    ctx = tl.load(context_lens_ptr + b)
+
+    lo = 0
+    hi = ctx
+    if NUM_SPLITS > 1:
+        per = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(lo + per, ctx)
+    owner = split == NUM_SPLITS - 1  # takes the step's own columns
+    idle = (lo >= hi) & (split != NUM_SPLITS - 1)
+    bt_row = block_tables_ptr + b * stride_bt
+    k_base = k_cache_ptr + kvh * stride_kh
+    v_base = v_cache_ptr + kvh * stride_vh
+    n = tl.arange(0, BLOCK_N)
+    k, v, col_ok = _load_kv(lo + n, hi, bt_row, k_base, v_base, d, stride_kb, stride_ks,
+                            stride_vb, stride_vs, BLOCK_SIZE)
+    if idle:  # past the context, not the owner: an empty partial (the merge reads L2)
+        zero = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        tl.store(part_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
+                 + split * stride_ps, zero, mask=row_ok[:, None])
+        tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split,
+                 tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+    else:
+        freq = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.float32)[:, None] * inv[None, :]
+        q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+        qa = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
+        qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
+        q = _rotate(qa, qb, tl.cos(freq) * rope_scaling,
+                    sign[None, :] * tl.sin(freq) * rope_scaling).to(qa.dtype)  # [BLOCK_M, D]
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        if lo < hi:
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
+                                         DOT_PRECISION)
+        for start in range(lo + BLOCK_N, hi, BLOCK_N):
+            k, v, col_ok = _load_kv(start + n, hi, bt_row, k_base, v_base, d, stride_kb,
+                                    stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
+                                         DOT_PRECISION)
+        if owner:  # the step's own columns: rotate k, write k and v, score them
+            j = tl.arange(0, NEW_P)
+            j_ok = j < q_len
+            jtok = b * q_len + j
+            k_rows = k_ptr + jtok[:, None] * stride_kt + kvh * stride_kh_new
+            jfreq = (tl.load(pos_ptr + jtok, mask=j_ok, other=0).to(tl.float32)[:, None]
+                     * inv[None, :])
+            kr = _rotate(tl.load(k_rows + d[None, :], mask=j_ok[:, None], other=0.0),
+                         tl.load(k_rows + dp[None, :], mask=j_ok[:, None], other=0.0),
+                         tl.cos(jfreq) * rope_scaling,
+                         sign[None, :] * tl.sin(jfreq) * rope_scaling).to(q.dtype)  # [NEW_P, D]
+            vn = tl.load(v_ptr + jtok[:, None] * stride_vt + kvh * stride_vh_new + d[None, :],
+                         mask=j_ok[:, None], other=0.0)  # [NEW_P, D]
+            slot = tl.load(slot_ptr + jtok, mask=j_ok, other=-1)
+            put = (slot >= 0)[:, None]
+            # Slots index blocks x in-block positions (blocks contiguous, checked on launch).
+            tl.store(k_base + slot[:, None] * stride_ks + d[None, :],
+                     kr.to(k_cache_ptr.dtype.element_ty), mask=put)
+            tl.store(v_base + slot[:, None] * stride_vs + d[None, :],
+                     vn.to(v_cache_ptr.dtype.element_ty), mask=put)
+            vis = j[None, :] <= t[:, None]  # causal
+            if HAS_MASK:
+                base = tl.load(mask_offsets_ptr + b)
+                custom = (j * 0 + base) >= 0  # a row-shaped scalar (as the interpreter needs)
+                bits = tl.load(custom_mask_ptr + base + t[:, None] * q_len + j[None, :],
+                               mask=row_ok[:, None] & j_ok[None, :] & custom[None, :], other=0)
+                vis = tl.where(custom[None, :], bits != 0, vis)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tl.trans(kr), vn, vis & j_ok[None, :],
+                                         scale_log2, DOT_PRECISION)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if NUM_SPLITS > 1:
+            p_rows = part_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
+            tl.store(p_rows + split * stride_ps, o, mask=row_ok[:, None])
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
+            tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+        else:
+            o_rows = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def fuses(meta: AttentionMetadata) -> bool:
+    """Steps this kernel serves: every sequence with the same number of rows, 2 to MAX_Q."""
+    qs = meta.q_lens_host
+    return bool(qs) and 2 <= qs[0] <= MAX_Q and all(x == qs[0] for x in qs)
+
+
+def tree_attention(
+    q: torch.Tensor,  # [T, Hq, D] unrotated, T = B * Q
+    k: torch.Tensor,  # [T, Hkv, D] unrotated
+    v: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int64
+    inv_freq: torch.Tensor,  # [D / 2] float32
+    rope_scaling: float,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,  # Q rows per sequence, each causal or with a [Q, Q] mask
+    scale: float | None = None,
+    num_splits: int = 1,
+    num_warps: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D] in q's dtype
+    """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
+    sequence's Q rows over its context and the rows it sees. Reads nothing from the device on
+    the host: `num_splits` is the caller's (a graph fixes it per bucket). `num_warps` None
+    takes 8 from 32 rows per program up (fewer registers per thread: no spill at head dim 128)."""
+    t, hq, d = q.shape
+    _, bs, hkv, dk = k_cache.shape
+    bsz = meta.num_seqs
+    assert fuses(meta), f"rows per sequence {meta.q_lens_host[:4]}: uniform, 2 to {MAX_Q}"
+    ql = meta.q_lens_host[0]
+    assert t == bsz * ql, "q rows != sequences x rows"
+    assert k.shape == (t, hkv, d) and v.shape == (t, hkv, d), "q, k, v shapes"
+    assert dk == d and hq % hkv == 0 and bs == meta.block_size and v_cache.shape == k_cache.shape
+    assert supported(q, inv_freq) and inv_freq.dtype == torch.float32
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(0) == bs * k_cache.stride(1), "slots must be contiguous"
+    assert positions.shape == (t,) and positions.dtype == torch.int64
+    assert meta.slot_mapping.shape == (t,) and meta.slot_mapping.dtype == torch.int64
+    assert meta.context_lens.dtype == torch.int32 and meta.block_tables.dtype == torch.int32
+    assert meta.mask_offsets.dtype == torch.int64
+    assert meta.block_tables.stride(1) == 1 and num_splits >= 1
+    has_mask = any(o >= 0 for o in meta.mask_offsets_host)
+    if has_mask:
+        assert meta.custom_mask is not None and meta.custom_mask.dtype == torch.bool
+    dev = q.device
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=dev)
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    group = hq // hkv
+    group_p, q_p = _next_pow2(group), _next_pow2(ql)
+    block_m = max(16, q_p * group_p)
+    splits = num_splits
+    part = torch.empty((t, hq, splits, d), dtype=torch.float32, device=dev) if splits > 1 else out
+    lse = torch.empty((t, hq, splits), dtype=torch.float32, device=dev) if splits > 1 else out
+    ps = (hq * splits * d, splits * d, d) if splits > 1 else (0, 0, 0)
+    ls = (hq * splits, splits) if splits > 1 else (0, 0)
+    mask = (meta.custom_mask if has_mask else meta.mask_offsets).view(torch.uint8)
+    _tree_attn_kernel[(bsz, hkv, splits)](
+        out, part, lse, q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens,
+        positions, meta.slot_mapping, meta.mask_offsets, mask, inv_freq,
+        ql, scale * _LOG2E, rope_scaling,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), *ps, *ls,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        HEAD_DIM=d, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, NEW_P=max(16, q_p),
+        BLOCK_N=64 if d <= 128 else 32, BLOCK_SIZE=bs, NUM_SPLITS=splits, HAS_MASK=has_mask,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=num_warps or (8 if block_m >= 32 else 4),
+    )
+    if splits > 1:
+        merge_splits(out, part, lse)
+    return out
