@@ -242,6 +242,9 @@ class GraphRunner:
         self.tuned: dict[tuple[int, int], dict] = {}  # per bucket: step ms before/after, trials
         self._tuned_keys: set[tuple] = set()
         self.splits: dict[tuple[int, int], int] = {}  # per bucket: split count chosen by timing
+        # Buckets of more rows per sequence with at most this many rows also hold the LM head
+        # (all rows' logits, gathered after the replay); 0: only one-row buckets do.
+        self.head_tokens = 0
 
     def num_splits(self, b: int, q: int) -> int:
         """Split-KV partitions for a bucket: the count timed best at its capture, else the
@@ -256,7 +259,11 @@ class GraphRunner:
         longest = self.width * self.block_size
         # The kernel spreads the step's actual context over the splits, so plenty of splits
         # cost little at short contexts and keep each program to about one tile at 1-2k.
-        return max(1, min(-(-2 * self.sms // programs), longest // 64, 32))
+        # Decode attention takes 32-column tiles from 16 splits up: about 4 programs per SM
+        # (bench/results/gpu_decode_attn_h200_20261130_tiles.json).
+        per_sm = 4 if q == 1 else 2
+        return max(1, min(-(-per_sm * self.sms // programs), longest // 32 if q == 1
+                          else longest // 64, 32))
 
     def execute(self, segments: list[Any], token_source: torch.Tensor | None = None):
         """The step's StepOutput through a graph, or None when the step must run eagerly.
@@ -282,7 +289,7 @@ class GraphRunner:
         graph, (hidden, logits) = self.graphs[key]
         graph.replay()
         self.replays += 1
-        if logits is not None and n_rows == len(segments):  # one row each, in order
+        if logits is not None and lay.q == 1 and n_rows == len(segments):  # one row each
             # Views of graph memory: their readers are queued before the next step's replay.
             return StepOutput(logits[:n_rows], hidden[:n_rows], offsets)
         idx = d64[lay.rows_at:lay.rows_at + n_rows]
@@ -321,7 +328,8 @@ class GraphRunner:
         ids, pos, meta = padded_metadata(lay, *self._views(self.dbuf, lay), self.block_size)
         backend = _FixedSplits(self.backend, self.num_splits(lay.batch, lay.q))
         hidden, _ = self.model(ids, pos, meta, self.kv, backend)
-        return hidden, self.model.compute_logits(hidden) if lay.q == 1 else None
+        head = lay.q == 1 or lay.tokens <= self.head_tokens
+        return hidden, self.model.compute_logits(hidden) if head else None
 
     def _capture(self, lay: Layout) -> None:
         from verify_kernels import skinny_gemm

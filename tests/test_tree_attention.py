@@ -66,20 +66,21 @@ TREE7 = [-1, 0, 0, 1, 1, 2, 2]  # 8 rows: a binary tree below the root
 def test_tree_no_split(hq, hkv, d, bs):
     run([(0, TREE7), (17, 8), (70, TREE7), (130, [-1, 0, 1, 2, 3, 4, 5])], hq, hkv, d, bs,
         splits=1, seed=hq * d + bs)
+    run([(3, 3), (90, [-1, 0])], hq, hkv, d, bs, splits=1, seed=hq * d + bs + 1)
 
 
 @pytest.mark.parametrize("splits", [2, 3, 32])
 def test_tree_split(splits):
     # Empty contexts, one tile, many tiles, contexts shorter than the split count's reach.
-    run([(0, [-1, 0, 0]), (5, 4), (64, [-1, 0, 1]), (65, [-1, -1, 0]), (1000, 4)], 8, 2, 64,
-        16, splits=splits, seed=splits)
+    run([(0, [-1, 0, 0]), (5, 4), (64, [-1, 0, 1]), (1000, 4)], 8, 2, 64, 16, splits=splits,
+        seed=splits)
+    run([(65, [-1, -1, 0]), (1, 4)], 8, 2, 64, 16, splits=splits, seed=50 + splits)
     run([(129, [-1]), (640, 2)], 32, 8, 128, 16, splits=splits, seed=100 + splits)
 
 
-def test_tree_sixteen_rows_and_warps():
-    tree15 = [-1] + [i // 2 for i in range(14)]
-    run([(33, tree15), (200, 16)], 8, 2, 64, 16, splits=4, seed=5, num_warps=4)
-    run([(33, tree15), (200, 16)], 8, 2, 64, 16, splits=1, seed=6, num_warps=8)
+def test_tree_warps():
+    run([(33, TREE7), (200, 8)], 8, 2, 64, 16, splits=4, seed=5, num_warps=4)
+    run([(33, [-1, 0, 0]), (200, 4)], 32, 8, 128, 16, splits=2, seed=6, num_warps=8)
 
 
 def test_tree_padding_rows_write_nothing():
@@ -95,4 +96,5 @@ def test_fuses_only_uniform_small_steps():
     assert fuses(make_meta([(5, 4), (9, [-1, 0, 0])], 16, g)[0])
     assert not fuses(make_meta([(5, 4), (9, 3)], 16, g)[0])  # ragged
     assert not fuses(make_meta([(5, 1), (9, 1)], 16, g)[0])  # decode: decode_attention's
-    assert not fuses(make_meta([(5, 17)], 16, g)[0])
+    assert not fuses(make_meta([(5, 9)], 16, g)[0])  # more rows than MAX_Q
+    assert not fuses(make_meta([(5, 2)] * 5, 16, g)[0])  # more sequences than MAX_SEQS

@@ -36,7 +36,14 @@ from verify_kernels.paged_attention import merge_splits
 __all__ = ["MAX_Q", "fuses", "tree_attention"]
 
 _LOG2E = 1.4426950408889634
-MAX_Q = 16  # rows per sequence this kernel takes
+# Rows per sequence and sequences per step this kernel takes. On the H200 (Llama-3.1-8B
+# heads, 1k context, per layer in a 32-layer graph, best split count of each; 8 warps), batch
+# 1: 11.8 against 14.0 us for the two launches at 2 rows, 12.4 / 15.1 at 4, 15.2 / 17.7 at 8;
+# slower from 16 rows (23.0 / 21.6) and at batch 8 (4 rows 30.2 / 26.5, 8 rows 41.8 / 33.5):
+# there one program's rows x columns outgrow what the general kernel's tiles spread out.
+# bench/results/gpu_verify_attn_h200_20261130.json.
+MAX_Q = 8
+MAX_SEQS = 4
 
 
 @triton.jit
@@ -163,9 +170,11 @@ def _next_pow2(x: int) -> int:
 
 
 def fuses(meta: AttentionMetadata) -> bool:
-    """Steps this kernel serves: every sequence with the same number of rows, 2 to MAX_Q."""
+    """Steps this kernel serves: at most MAX_SEQS sequences, each with the same number of
+    rows, 2 to MAX_Q."""
     qs = meta.q_lens_host
-    return bool(qs) and 2 <= qs[0] <= MAX_Q and all(x == qs[0] for x in qs)
+    return (0 < len(qs) <= MAX_SEQS and 2 <= qs[0] <= MAX_Q
+            and all(x == qs[0] for x in qs))
 
 
 def tree_attention(
@@ -185,11 +194,11 @@ def tree_attention(
     """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
     sequence's Q rows over its context and the rows it sees. Reads nothing from the device on
     the host: `num_splits` is the caller's (a graph fixes it per bucket). `num_warps` None
-    takes 8 from 32 rows per program up (fewer registers per thread: no spill at head dim 128)."""
+    takes 8 (faster than 4 on the H200 at every row count and split count at batch 1)."""
     t, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
     bsz = meta.num_seqs
-    assert fuses(meta), f"rows per sequence {meta.q_lens_host[:4]}: uniform, 2 to {MAX_Q}"
+    assert fuses(meta), f"rows per sequence {meta.q_lens_host[:5]}: uniform, 2 to {MAX_Q}"
     ql = meta.q_lens_host[0]
     assert t == bsz * ql, "q rows != sequences x rows"
     assert k.shape == (t, hkv, d) and v.shape == (t, hkv, d), "q, k, v shapes"
@@ -229,7 +238,7 @@ def tree_attention(
         HEAD_DIM=d, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, NEW_P=max(16, q_p),
         BLOCK_N=64 if d <= 128 else 32, BLOCK_SIZE=bs, NUM_SPLITS=splits, HAS_MASK=has_mask,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=num_warps or (8 if block_m >= 32 else 4),
+        num_warps=num_warps or 8,
     )
     if splits > 1:
         merge_splits(out, part, lse)
