@@ -6,9 +6,8 @@ two-launch path it replaces (rope_write_kv, then the general paged attention), s
    mask (Llama-3.1-8B heads, 1k context, each layer on its own KV) in one CUDA graph, per
    layer, over split counts and warp counts.
 2. The runner (Llama-3.1-8B shape, random weights, bf16): the batch-1 verification cost curve
-   (time of a Q-row step over a 1-row decode step) with the fused tree kernel off, on, and on
-   with the LM head inside the verification graphs, alternated; then the GPU time of each
-   kernel in 1-, 2- and 8-row steps (torch.profiler).
+   (time of a Q-row step over a 1-row decode step) with the fused tree kernel off and on,
+   alternated; then the GPU time of each kernel in 1-, 2- and 8-row steps (torch.profiler).
 
     PYTHONPATH=. python3 bench/gpu_verify_attn.py --out DIR   (writes DIR/gpu_verify_attn.json)
 """
@@ -111,8 +110,9 @@ def kernel_times(engine, segs, steps: int = 20) -> dict:
 
 
 def runner_ab(out: dict) -> None:
-    """Batch-1 cost curve with verification attention as two launches, fused, and fused with
-    the LM head inside the verification graphs, alternated; then per-kernel GPU times."""
+    """Batch-1 cost curve with verification attention as two launches and fused, alternated;
+    then per-kernel GPU times. (The LM head inside 2- to 8-row graphs measured no faster:
+    gpu_verify_attn_h200_20261130_b.json.)"""
     import gc
 
     tmp = Path(tempfile.mkdtemp())
@@ -120,10 +120,10 @@ def runner_ab(out: dict) -> None:
                              num_blocks=2600)
     engine.runner.kv.normal_()
     runner, backend = engine.runner, engine.runner.backend
-    modes = {"two_launch": (False, 0), "tree": (True, 0), "tree_head": (True, 64)}
+    modes = {"two_launch": False, "tree": True}
     res = []
     for mode in list(modes) * 2:
-        backend.fused_tree, runner.graphs.head_tokens = modes[mode]
+        backend.fused_tree = modes[mode]
         runner.graphs.graphs.clear()  # recaptured with this path (tiles stay as tuned)
         runner.graphs.splits.clear()
         torch.cuda.synchronize()

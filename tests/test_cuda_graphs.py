@@ -95,7 +95,7 @@ def test_split_candidates_are_fewer_powers_of_two():
     assert split_candidates(1) == [] and split_candidates(2) == [1]
     assert split_candidates(3) == [1, 2] and split_candidates(5) == [1, 2, 4]
     assert split_candidates(9) == [2, 4, 8] and split_candidates(8) == [2, 4]
-    assert split_candidates(16) == [] and split_candidates(32) == []
+    assert split_candidates(16) == [4, 8] and split_candidates(32) == [8, 16]
 
 
 def test_pick_bucket_limits():

@@ -192,8 +192,9 @@ def test_skinny_tile_choice_hooks():
 @pytest.mark.parametrize("m", [2, 3, 8])
 @pytest.mark.parametrize("prologue", ["norm", "silu"])
 def test_skinny_fma_rows_fold_the_prologue(m, prologue):
-    """The several-row FMA candidate (norm or SiLU-and-multiply folded in, residual in place)
-    against the reference, forced through set_config as the tuner would pick it."""
+    """The several-row FMA candidate and the dot candidate with the prologue in its loop (norm
+    or SiLU-and-multiply folded in, residual in place) against the reference, forced through
+    set_config as the tuner would pick them."""
     from verify_kernels import skinny_gemm
 
     g = torch.Generator().manual_seed(m)
@@ -206,10 +207,11 @@ def test_skinny_fma_rows_fold_the_prologue(m, prologue):
     ref = skinny_linear_ref(x, w, residual=res, **kw)
     with skinny_gemm.recording_keys() as keys:
         skinny_linear(x, w, residual=res.clone(), **kw)  # records (and tunes) the key
-    skinny_gemm.set_config(keys[0], (16, 32, 4, 1, True))
-    out = skinny_linear(x, w, residual=res.clone(), **kw)
     tol = {"atol": 3e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
-    torch.testing.assert_close(out, ref, **tol)
+    for cfg in ((16, 32, 4, 1, True), (16, 32, 4, 1, False, True)):  # FMA rows; folded dots
+        skinny_gemm.set_config(keys[0], cfg)
+        out = skinny_linear(x, w, residual=res.clone(), **kw)
+        torch.testing.assert_close(out, ref, **tol)
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="the CPU model check runs under the interpreter")

@@ -143,10 +143,13 @@ def _skinny_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=om)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, FMA) tried per shape on the GPU. FMAs allow narrow
-# column tiles (more programs in flight for tall-K layers); with several rows they hold
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, FMA[, FOLD]) tried per shape on the GPU. FMAs allow
+# narrow column tiles (more programs in flight for tall-K layers); with several rows they hold
 # BLOCK_M * BLOCK_N * BLOCK_K products, so K tiles shrink. Tensor-core tiles are 16 or more.
-Config = tuple[int, int, int, int, bool]
+# FOLD (dots only): the prologue is folded into the dot loop instead of run as a kernel first;
+# a candidate, since which is faster depends on the tile (the separate norm kernel costs about
+# 1.8 us per layer input on the H200, 118 us of an 8-row Llama-3.1-8B step).
+Config = tuple  # (int, int, int, int, bool) or with a sixth field, bool
 FMA_MAX_ROWS = 8
 CONFIGS_ONE_ROW = ((4, 1024, 4, 3, True), (8, 512, 4, 3, True), (8, 1024, 4, 2, True),
                    (16, 512, 4, 3, True), (16, 1024, 8, 2, True), (32, 256, 4, 4, True),
@@ -154,6 +157,8 @@ CONFIGS_ONE_ROW = ((4, 1024, 4, 3, True), (8, 512, 4, 3, True), (8, 1024, 4, 2, 
 CONFIGS_FMA_ROWS = ((4, 256, 4, 3, True), (8, 128, 4, 4, True), (16, 128, 8, 3, True))
 CONFIGS_DOT = ((16, 256, 4, 4, False), (32, 256, 4, 4, False), (32, 512, 8, 3, False),
                (64, 256, 8, 3, False), (64, 128, 4, 4, False), (128, 128, 8, 3, False))
+CONFIGS_DOT_FOLD = ((32, 256, 4, 4, False, True), (64, 256, 8, 3, False, True),
+                    (64, 128, 4, 4, False, True), (128, 128, 8, 3, False, True))
 _INTERPRET_CONFIG = (32, 64, 4, 1)
 _CHOSEN: dict[tuple, Config] = {}
 _RAN: dict[tuple, list[Config]] = {}  # per key, the configs that ran
@@ -204,9 +209,9 @@ def skinny_linear(
         _SEEN.append(key)
 
     def launch(cfg: Config, o: torch.Tensor, r: torch.Tensor | None) -> None:
-        bn, bk, warps, stages, fma = cfg
+        bn, bk, warps, stages, fma, *fold = cfg
         xin, g, silu = x, norm_weight, silu_mul
-        if not fma and (g is not None or silu):  # tensor-core dots: the prologue runs first
+        if not fma and not any(fold) and (g is not None or silu):  # the prologue runs first
             from verify_kernels.fused_ops import rms_norm
             from verify_kernels.fused_ops import silu_mul as silu_mul_
 
@@ -228,6 +233,8 @@ def skinny_linear(
         configs = CONFIGS_ONE_ROW if m == 1 else CONFIGS_DOT
         if 1 < m <= FMA_MAX_ROWS:
             configs += CONFIGS_FMA_ROWS
+        if m > 1 and (norm_weight is not None or silu_mul):
+            configs += CONFIGS_DOT_FOLD
         ran = _tune(launch, configs, out, residual, x.device, m == 1)
         if ran is None:  # capturing a CUDA graph: no timing now, and nothing remembered
             cfg = configs[1]
