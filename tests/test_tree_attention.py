@@ -19,7 +19,7 @@ if ON_CUDA and not torch.cuda.is_available():
 from test_kernels import DEV, DTYPE, make_meta  # noqa: E402
 
 from verify_kernels.decode_attention import decode_attention_ref  # noqa: E402
-from verify_kernels.tree_attention import fuses, tree_attention  # noqa: E402
+from verify_kernels.tree_attention import MAX_Q, MAX_SEQS, fuses, tree_attention  # noqa: E402
 
 TOL = {"atol": 4e-2, "rtol": 4e-2} if ON_CUDA else {"atol": 2e-5, "rtol": 2e-5}
 
@@ -48,7 +48,6 @@ def run(specs: list, hq: int, hkv: int, d: int, bs: int, splits: int, seed: int,
     ref = decode_attention_ref(q.float(), k.float(), v.float(), pos, inv, 1.1, kc_ref, vc_ref,
                                meta)
     qkv_before = qkv.clone()
-    assert fuses(meta)
     out = tree_attention(q, k, v, pos, inv, 1.1, kc, vc, meta, num_splits=splits,
                          num_warps=num_warps)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -96,5 +95,5 @@ def test_fuses_only_uniform_small_steps():
     assert fuses(make_meta([(5, 4), (9, [-1, 0, 0])], 16, g)[0])
     assert not fuses(make_meta([(5, 4), (9, 3)], 16, g)[0])  # ragged
     assert not fuses(make_meta([(5, 1), (9, 1)], 16, g)[0])  # decode: decode_attention's
-    assert not fuses(make_meta([(5, 9)], 16, g)[0])  # more rows than MAX_Q
-    assert not fuses(make_meta([(5, 2)] * 5, 16, g)[0])  # more sequences than MAX_SEQS
+    assert not fuses(make_meta([(5, MAX_Q + 1)], 16, g)[0])
+    assert not fuses(make_meta([(5, 2)] * (MAX_SEQS + 1), 16, g)[0])

@@ -33,17 +33,20 @@ from specdec.attention import AttentionMetadata
 from verify_kernels.decode_attention import _attend_tile, _load_kv, _rotate, supported
 from verify_kernels.paged_attention import merge_splits
 
-__all__ = ["MAX_Q", "fuses", "tree_attention"]
+__all__ = ["MAX_Q", "MAX_SEQS", "fuses", "tree_attention"]
 
 _LOG2E = 1.4426950408889634
-# Rows per sequence and sequences per step this kernel takes. On the H200 (Llama-3.1-8B
-# heads, 1k context, per layer in a 32-layer graph, best split count of each; 8 warps), batch
-# 1: 11.8 against 14.0 us for the two launches at 2 rows, 12.4 / 15.1 at 4, 15.2 / 17.7 at 8;
-# slower from 16 rows (23.0 / 21.6) and at batch 8 (4 rows 30.2 / 26.5, 8 rows 41.8 / 33.5):
-# there one program's rows x columns outgrow what the general kernel's tiles spread out.
-# bench/results/gpu_verify_attn_h200_20261130.json.
-MAX_Q = 8
+# Steps the backend sends here (`fuses`): at most MAX_SEQS sequences of the same 2 to MAX_Q
+# rows; the kernel itself takes up to 16. On the H200 (Llama-3.1-8B heads, 1k context), per
+# layer in a 32-layer graph of attention alone, best split count each, 8 warps: batch 1,
+# 11.8 against 14.0 us for the two launches at 2 rows, 15.2 / 17.7 at 8; slower at 16 rows
+# (23.0 / 21.6) and at batch 8 (8 rows 41.8 / 33.5). In the whole captured step (Llama-3.1-8B
+# shape, batch 1), faster at 2 and 4 rows (4.55 / 4.62 and 4.59 / 4.69 ms per step), slower at
+# 8 (4.92 / 4.80: 18.4 us per layer there, against 15.2 alone).
+# bench/results/gpu_verify_attn_h200_20261130*.json.
+MAX_Q = 4
 MAX_SEQS = 4
+KERNEL_MAX_Q = 16
 
 
 @triton.jit
@@ -170,11 +173,15 @@ def _next_pow2(x: int) -> int:
 
 
 def fuses(meta: AttentionMetadata) -> bool:
-    """Steps this kernel serves: at most MAX_SEQS sequences, each with the same number of
-    rows, 2 to MAX_Q."""
+    """Steps the fused path takes: at most MAX_SEQS sequences, each with the same number of
+    rows, 2 to MAX_Q (where it measured faster than the two launches)."""
+    return len(meta.q_lens_host) <= MAX_SEQS and 2 <= _rows(meta) <= MAX_Q
+
+
+def _rows(meta: AttentionMetadata) -> int:
+    """Rows per sequence if every sequence has the same number, else 0."""
     qs = meta.q_lens_host
-    return (0 < len(qs) <= MAX_SEQS and 2 <= qs[0] <= MAX_Q
-            and all(x == qs[0] for x in qs))
+    return qs[0] if qs and all(x == qs[0] for x in qs) else 0
 
 
 def tree_attention(
@@ -198,7 +205,8 @@ def tree_attention(
     t, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
     bsz = meta.num_seqs
-    assert fuses(meta), f"rows per sequence {meta.q_lens_host[:5]}: uniform, 2 to {MAX_Q}"
+    assert 2 <= _rows(meta) <= KERNEL_MAX_Q, (
+        f"rows per sequence {meta.q_lens_host[:5]}: uniform, 2 to {KERNEL_MAX_Q}")
     ql = meta.q_lens_host[0]
     assert t == bsz * ql, "q rows != sequences x rows"
     assert k.shape == (t, hkv, d) and v.shape == (t, hkv, d), "q, k, v shapes"
