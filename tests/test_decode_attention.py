@@ -1,5 +1,8 @@
-"""The fused decode attention kernel (rotary, KV write, split-KV attention, merge) against its
-reference. Interpreter in float32 on the CPU; bfloat16 on the GPU with SPECDEC_TEST_DEVICE=cuda.
+"""The fused attention kernels of decode steps (verify_kernels/decode_attention.py) and of
+small verification steps (verify_kernels/tree_attention.py): rotary, KV write, split-KV
+attention (over the context and, for trees, the step's own rows under each sequence's mask) and
+merge, against their reference. Interpreter in float32 on the CPU; bfloat16 on the GPU with
+SPECDEC_TEST_DEVICE=cuda.
 """
 
 from __future__ import annotations
@@ -18,26 +21,28 @@ if ON_CUDA and not torch.cuda.is_available():
 from test_kernels import DEV, DTYPE, make_meta  # noqa: E402
 
 from verify_kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from verify_kernels.tree_attention import MAX_Q, MAX_SEQS, fuses, tree_attention  # noqa: E402
 
 TOL = {"atol": 4e-2, "rtol": 4e-2} if ON_CUDA else {"atol": 2e-5, "rtol": 2e-5}
 
 
-def run(ctxs: list[int], hq: int, hkv: int, d: int, bs: int, splits: int, seed: int,
-        pad: tuple[int, ...] = (), **tiles) -> None:
-    """Sequences with these contexts decode one token each; rows in `pad` are padding (slot
-    -1: nothing written, output unread)."""
+def check(kernel, specs: list, hq: int, hkv: int, d: int, bs: int, splits: int, seed: int,
+          pad: tuple[int, ...] = (), **kw) -> None:
+    """Sequences (context, rows or tree parents) run their step through `kernel`; flattened
+    rows in `pad` are padding (slot -1: nothing written, output unread, seen by no real row)."""
     g = torch.Generator().manual_seed(seed)
-    meta, nb = make_meta([(c, 1) for c in ctxs], bs, g)
+    meta, nb = make_meta(specs, bs, g)
     if pad:
         slots = meta.slot_mapping.clone()
         slots[list(pad)] = -1
         meta = type(meta)(**{**meta.__dict__, "slot_mapping": slots})
-    b = len(ctxs)
-    qkv = torch.randn(b, (hq + 2 * hkv) * d + 3, generator=g).to(DEV, DTYPE)  # a fused row
-    q = qkv[:, :hq * d].view(b, hq, d)
-    k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
-    v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].view(b, hkv, d)
-    pos = torch.tensor([c + 3 for c in ctxs], dtype=torch.int64).to(DEV)
+    t = sum(meta.q_lens_host)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d + 3, generator=g).to(DEV, DTYPE)  # a fused row
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].view(t, hkv, d)
+    pos = torch.cat([c + 3 + torch.arange(n) for c, n in zip(meta.context_lens_host,
+                                                               meta.q_lens_host)]).to(DEV)
     inv = (1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))).to(DEV)
     kc = torch.randn(nb, bs, hkv, d, generator=g).to(DEV, DTYPE)
     vc = torch.randn(nb, bs, hkv, d, generator=g).to(DEV, DTYPE)
@@ -45,14 +50,19 @@ def run(ctxs: list[int], hq: int, hkv: int, d: int, bs: int, splits: int, seed: 
     ref = decode_attention_ref(q.float(), k.float(), v.float(), pos, inv, 1.1, kc_ref, vc_ref,
                                meta)
     qkv_before = qkv.clone()
-    out = decode_attention(q, k, v, pos, inv, 1.1, kc, vc, meta, num_splits=splits, **tiles)
+    out = kernel(q, k, v, pos, inv, 1.1, kc, vc, meta, num_splits=splits, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
-    keep = [i for i in range(b) if i not in pad]
+    keep = [i for i in range(t) if i not in pad]
     torch.testing.assert_close(out[keep].float(), ref[keep], **TOL)
     # The cache holds the rotated keys and the values at the real rows' slots, nothing else.
     torch.testing.assert_close(kc.float(), kc_ref, **TOL)
     torch.testing.assert_close(vc.float(), vc_ref, **TOL)
     assert torch.equal(qkv, qkv_before), "q, k and v are inputs only"
+
+
+def run(ctxs: list[int], *args, **kw) -> None:
+    """Sequences with these contexts decode one token each."""
+    check(decode_attention, [(c, 1) for c in ctxs], *args, **kw)
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 64, 16), (32, 8, 128, 16), (7, 1, 64, 32)])
@@ -76,3 +86,51 @@ def test_decode_tile_choices():
     """The tile and warp counts the benchmark times give the same result."""
     run([0, 70, 200], 8, 2, 64, 16, splits=4, seed=6, block_n=32, num_warps=8)
     run([0, 70, 200], 8, 2, 64, 16, splits=1, seed=7, block_n=16)
+
+
+# Verification steps: the fused tree kernel (verify_kernels/tree_attention.py).
+
+
+def tree(specs: list, *args, **kw) -> None:
+    check(tree_attention, specs, *args, **kw)
+
+
+TREE7 = [-1, 0, 0, 1, 1, 2, 2]  # 8 rows: a binary tree below the root
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 64, 16), (32, 8, 128, 16), (7, 1, 64, 32)])
+def test_tree_no_split(hq, hkv, d, bs):
+    tree([(0, TREE7), (17, 8), (70, TREE7), (130, [-1, 0, 1, 2, 3, 4, 5])], hq, hkv, d, bs,
+        splits=1, seed=hq * d + bs)
+    tree([(3, 3), (90, [-1, 0])], hq, hkv, d, bs, splits=1, seed=hq * d + bs + 1)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 32])
+def test_tree_split(splits):
+    # Empty contexts, one tile, many tiles, contexts shorter than the split count's reach.
+    tree([(0, [-1, 0, 0]), (5, 4), (64, [-1, 0, 1]), (1000, 4)], 8, 2, 64, 16, splits=splits,
+        seed=splits)
+    tree([(65, [-1, -1, 0]), (1, 4)], 8, 2, 64, 16, splits=splits, seed=50 + splits)
+    tree([(129, [-1]), (640, 2)], 32, 8, 128, 16, splits=splits, seed=100 + splits)
+
+
+def test_tree_warps():
+    tree([(33, TREE7), (200, 8)], 8, 2, 64, 16, splits=4, seed=5, num_warps=4)
+    tree([(33, [-1, 0, 0]), (200, 4)], 32, 8, 128, 16, splits=2, seed=6, num_warps=8)
+
+
+def test_tree_padding_rows_write_nothing():
+    # As the graph runner pads: the last rows of a sequence (seen only by themselves) and a
+    # whole sequence of context 0.
+    eye_tail = [-1, 0, -1, -1]  # rows 3 and 4 hang off the root: no real row sees them
+    tree([(40, eye_tail), (0, eye_tail)], 8, 2, 64, 16, splits=4, seed=3,
+         pad=(3, 4, 5, 6, 7, 8, 9))
+
+
+def test_fuses_only_uniform_small_steps():
+    g = torch.Generator().manual_seed(0)
+    assert fuses(make_meta([(5, 4), (9, [-1, 0, 0])], 16, g)[0])
+    assert not fuses(make_meta([(5, 4), (9, 3)], 16, g)[0])  # ragged
+    assert not fuses(make_meta([(5, 1), (9, 1)], 16, g)[0])  # decode: decode_attention's
+    assert not fuses(make_meta([(5, MAX_Q + 1)], 16, g)[0])
+    assert not fuses(make_meta([(5, 2)] * (MAX_SEQS + 1), 16, g)[0])

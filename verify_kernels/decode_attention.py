@@ -76,6 +76,58 @@ def _attend_tile(q, m_i, l_i, acc, k, v, vis, scale_log2, DOT_PRECISION: tl.cons
 
 
 @triton.jit
+def _softmax_start(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(running max, running sum, accumulator) before any column."""
+    return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, HEAD_DIM], tl.float32))
+
+
+@triton.jit
+def _attend_cached(q, k, v, col_ok, lo, hi, bt_row, k_base, v_base, d, stride_kb, stride_ks,
+                   stride_vb, stride_vs, scale_log2, BLOCK_M: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """Online softmax of q over the cached columns [lo, hi), whose first tile (k, v, col_ok)
+    the caller has loaded; each later tile's K and V load together."""
+    m_i, l_i, acc = _softmax_start(BLOCK_M, HEAD_DIM)
+    m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
+                                 DOT_PRECISION)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+        k, v, col_ok = _load_kv(start + n, hi, bt_row, k_base, v_base, d, stride_kb, stride_ks,
+                                stride_vb, stride_vs, BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
+                                     DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_result(acc, m_i, l_i, out_ptr, part_ptr, lse_ptr, o_off, p_off, l_off, d, row_ok,
+                  split, stride_ps, NUM_SPLITS: tl.constexpr):
+    """The normalised output of rows at offsets o_off ([BLOCK_M]); with splits, this split's
+    partial (at p_off) and its log2-sum-exp (at l_off) for the merge."""
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if NUM_SPLITS > 1:
+        tl.store(part_ptr + p_off[:, None] + split * stride_ps + d[None, :], o,
+                 mask=row_ok[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
+        tl.store(lse_ptr + l_off + split, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def _store_empty(part_ptr, lse_ptr, p_off, l_off, d, row_ok, split, stride_ps,
+                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """An empty partial (a split past the context), so that the merge reads nothing stale."""
+    tl.store(part_ptr + p_off[:, None] + split * stride_ps + d[None, :],
+             tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=row_ok[:, None])
+    tl.store(lse_ptr + l_off + split, tl.full([BLOCK_M], float("-inf"), tl.float32),
+             mask=row_ok)
+
+
+@triton.jit
 def _decode_attn_kernel(
     out_ptr,  # [B, Hq, D] q dtype
     part_ptr,  # [B, Hq, NUM_SPLITS, D] float32 normalised partials (split only)
@@ -123,34 +175,25 @@ def _decode_attn_kernel(
     bt_row = block_tables_ptr + b * stride_bt
     k_base = k_cache_ptr + kvh * stride_kh
     v_base = v_cache_ptr + kvh * stride_vh
-    n = tl.arange(0, BLOCK_N)
     # The first tile's cached columns were written by earlier steps: under PDL they load while
     # the qkv matmul before this kernel finishes (verify_kernels/pdl.py); q, k, v come after.
-    k, v, col_ok = _load_kv(lo + n, cache_hi, bt_row, k_base, v_base, d, stride_kb, stride_ks,
-                            stride_vb, stride_vs, BLOCK_SIZE)
+    k, v, col_ok = _load_kv(lo + tl.arange(0, BLOCK_N), cache_hi, bt_row, k_base, v_base, d,
+                            stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
     pdl_wait_release(USE_PDL)
     q_rows = q_ptr + b * stride_qb + head[:, None] * stride_qh
     qa = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
     qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
     q = _rotate(qa, qb, cos[None, :], sign_sin[None, :]).to(qa.dtype)  # [BLOCK_M, D]
+    p_off = b * stride_pb + head * stride_ph
+    l_off = b * stride_lb + head * stride_lh
     if lo >= hi:  # a split past the context: an empty partial, so the merge reads only L2
         if NUM_SPLITS > 1:
-            zero = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            tl.store(part_ptr + b * stride_pb + head[:, None] * stride_ph + d[None, :]
-                     + split * stride_ps, zero, mask=row_ok[:, None])
-            tl.store(lse_ptr + b * stride_lb + head * stride_lh + split,
-                     tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            _store_empty(part_ptr, lse_ptr, p_off, l_off, d, row_ok, split, stride_ps, BLOCK_M,
+                         HEAD_DIM)
     else:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
-                                     DOT_PRECISION)
-        for start in range(lo + BLOCK_N, cache_hi, BLOCK_N):
-            k, v, col_ok = _load_kv(start + n, cache_hi, bt_row, k_base, v_base, d, stride_kb,
-                                    stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
-                                         DOT_PRECISION)
+        m_i, l_i, acc = _attend_cached(q, k, v, col_ok, lo, cache_hi, bt_row, k_base, v_base, d,
+                                       stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+                                       BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
         if ctx < hi:  # this program holds the new column: rotate k, write k and v, score it
             k_row = k_ptr + b * stride_kb_new + kvh * stride_kh_new
             kr = _rotate(tl.load(k_row + d), tl.load(k_row + dp), cos, sign_sin)
@@ -172,15 +215,8 @@ def _decode_attn_kernel(
             v_new = v_new.to(q.dtype).to(tl.float32)
             acc = acc * alpha[:, None] + p_new[:, None] * v_new[None, :]
             m_i = m_new
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        if NUM_SPLITS > 1:
-            p_rows = part_ptr + b * stride_pb + head[:, None] * stride_ph + d[None, :]
-            tl.store(p_rows + split * stride_ps, o, mask=row_ok[:, None])
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
-            tl.store(lse_ptr + b * stride_lb + head * stride_lh + split, lse, mask=row_ok)
-        else:
-            o_rows = out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :]
-            tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        _store_result(acc, m_i, l_i, out_ptr, part_ptr, lse_ptr, b * stride_ob + head * stride_oh,
+                      p_off, l_off, d, row_ok, split, stride_ps, NUM_SPLITS)
 
 
 def _next_pow2(x: int) -> int:

@@ -30,7 +30,16 @@ import triton
 import triton.language as tl
 
 from specdec.attention import AttentionMetadata
-from verify_kernels.decode_attention import _attend_tile, _load_kv, _rotate, supported
+from verify_kernels.decode_attention import (
+    _attend_cached,
+    _attend_tile,
+    _load_kv,
+    _rotate,
+    _softmax_start,
+    _store_empty,
+    _store_result,
+    supported,
+)
 from verify_kernels.paged_attention import merge_splits
 
 __all__ = ["MAX_Q", "MAX_SEQS", "fuses", "tree_attention"]
@@ -101,15 +110,13 @@ def _tree_attn_kernel(
     bt_row = block_tables_ptr + b * stride_bt
     k_base = k_cache_ptr + kvh * stride_kh
     v_base = v_cache_ptr + kvh * stride_vh
-    n = tl.arange(0, BLOCK_N)
-    k, v, col_ok = _load_kv(lo + n, hi, bt_row, k_base, v_base, d, stride_kb, stride_ks,
-                            stride_vb, stride_vs, BLOCK_SIZE)
+    k, v, col_ok = _load_kv(lo + tl.arange(0, BLOCK_N), hi, bt_row, k_base, v_base, d,
+                            stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
+    p_off = tok * stride_pt + head * stride_ph
+    l_off = tok * stride_lt + head * stride_lh
     if idle:  # past the context, not the owner: an empty partial (the merge reads L2)
-        zero = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        tl.store(part_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
-                 + split * stride_ps, zero, mask=row_ok[:, None])
-        tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split,
-                 tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+        _store_empty(part_ptr, lse_ptr, p_off, l_off, d, row_ok, split, stride_ps, BLOCK_M,
+                     HEAD_DIM)
     else:
         freq = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.float32)[:, None] * inv[None, :]
         q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
@@ -117,17 +124,13 @@ def _tree_attn_kernel(
         qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
         q = _rotate(qa, qb, tl.cos(freq) * rope_scaling,
                     sign[None, :] * tl.sin(freq) * rope_scaling).to(qa.dtype)  # [BLOCK_M, D]
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         if lo < hi:
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
-                                         DOT_PRECISION)
-        for start in range(lo + BLOCK_N, hi, BLOCK_N):
-            k, v, col_ok = _load_kv(start + n, hi, bt_row, k_base, v_base, d, stride_kb,
-                                    stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
-                                         DOT_PRECISION)
+            m_i, l_i, acc = _attend_cached(q, k, v, col_ok, lo, hi, bt_row, k_base, v_base, d,
+                                           stride_kb, stride_ks, stride_vb, stride_vs,
+                                           scale_log2, BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
+                                           DOT_PRECISION)
+        else:
+            m_i, l_i, acc = _softmax_start(BLOCK_M, HEAD_DIM)
         if owner:  # the step's own columns: rotate k, write k and v, score them
             j = tl.arange(0, NEW_P)
             j_ok = j < q_len
@@ -157,15 +160,9 @@ def _tree_attn_kernel(
                 vis = tl.where(custom[None, :], bits != 0, vis)
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tl.trans(kr), vn, vis & j_ok[None, :],
                                          scale_log2, DOT_PRECISION)
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        if NUM_SPLITS > 1:
-            p_rows = part_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
-            tl.store(p_rows + split * stride_ps, o, mask=row_ok[:, None])
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
-            tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
-        else:
-            o_rows = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-            tl.store(o_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        _store_result(acc, m_i, l_i, out_ptr, part_ptr, lse_ptr,
+                      tok * stride_ot + head * stride_oh, p_off, l_off, d, row_ok, split,
+                      stride_ps, NUM_SPLITS)
 
 
 def _next_pow2(x: int) -> int:
