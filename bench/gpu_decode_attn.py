@@ -16,7 +16,6 @@ Also programmatic dependent launch on and off (verify_kernels/pdl.py).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import tempfile
@@ -221,12 +220,7 @@ def main() -> None:
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--kernels-only", action="store_true")
     args = ap.parse_args()
-    import triton
-
-    out: dict = {"note": gs.NOTE, "gpu": torch.cuda.get_device_name(0),
-                 "torch": torch.__version__, "triton": triton.__version__,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "context_tokens": gs.CTX}
+    out = gs.run_info()
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     bw = gs.copy_bandwidth()

@@ -37,6 +37,17 @@ CTX = 1024
 T0 = time.monotonic()
 
 
+def run_info() -> dict:
+    """What a GPU benchmark's JSON starts with: the note on weights, GPU, versions, date."""
+    import datetime
+
+    import triton
+
+    return {"note": NOTE, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "triton": triton.__version__, "context_tokens": CTX,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
 def log(*a) -> None:
     print(f"[{time.monotonic() - T0:6.1f}s]", *a, flush=True)
 

@@ -15,7 +15,6 @@ two-launch path it replaces (rope_write_kv, then the general paged attention), s
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import tempfile
@@ -152,12 +151,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-kernels", action="store_true")
     args = ap.parse_args()
-    import triton
-
-    out: dict = {"note": gs.NOTE, "gpu": torch.cuda.get_device_name(0),
-                 "torch": torch.__version__, "triton": triton.__version__,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "context_tokens": gs.CTX}
+    out = gs.run_info()
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     dst = path / "gpu_verify_attn.json"

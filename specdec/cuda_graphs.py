@@ -254,11 +254,10 @@ class GraphRunner:
         longest = self.width * self.block_size
         # The kernel spreads the step's actual context over the splits, so plenty of splits
         # cost little at short contexts and keep each program to about one tile at 1-2k.
-        # Decode attention takes 32-column tiles from 16 splits up: about 4 programs per SM
-        # (bench/results/gpu_decode_attn_h200_20261130_tiles.json).
-        per_sm = 4 if q == 1 else 2
-        return max(1, min(-(-per_sm * self.sms // programs), longest // 32 if q == 1
-                          else longest // 64, 32))
+        # Decode attention (one row) takes 32-column tiles from 16 splits up and aims at about
+        # 4 programs per SM (bench/results/gpu_decode_attn_h200_20261130_tiles.json).
+        per_sm, tile = (4, 32) if q == 1 else (2, 64)
+        return max(1, min(-(-per_sm * self.sms // programs), longest // tile, 32))
 
     def execute(self, segments: list[Any], token_source: torch.Tensor | None = None):
         """The step's StepOutput through a graph, or None when the step must run eagerly.

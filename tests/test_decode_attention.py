@@ -101,7 +101,7 @@ TREE7 = [-1, 0, 0, 1, 1, 2, 2]  # 8 rows: a binary tree below the root
 @pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 64, 16), (32, 8, 128, 16), (7, 1, 64, 32)])
 def test_tree_no_split(hq, hkv, d, bs):
     tree([(0, TREE7), (17, 8), (70, TREE7), (130, [-1, 0, 1, 2, 3, 4, 5])], hq, hkv, d, bs,
-        splits=1, seed=hq * d + bs)
+         splits=1, seed=hq * d + bs)
     tree([(3, 3), (90, [-1, 0])], hq, hkv, d, bs, splits=1, seed=hq * d + bs + 1)
 
 
@@ -109,7 +109,7 @@ def test_tree_no_split(hq, hkv, d, bs):
 def test_tree_split(splits):
     # Empty contexts, one tile, many tiles, contexts shorter than the split count's reach.
     tree([(0, [-1, 0, 0]), (5, 4), (64, [-1, 0, 1]), (1000, 4)], 8, 2, 64, 16, splits=splits,
-        seed=splits)
+         seed=splits)
     tree([(65, [-1, -1, 0]), (1, 4)], 8, 2, 64, 16, splits=splits, seed=50 + splits)
     tree([(129, [-1]), (640, 2)], 32, 8, 128, 16, splits=splits, seed=100 + splits)
 

@@ -14,8 +14,9 @@ from verify_kernels.paged_attention import choose_num_splits, paged_attention
 class TritonAttentionBackend:
     """Steps that `fuses` go through `decode` (rotary, KV write and attention in one kernel)
     instead of a rotary + KV write launch and `attend`: one row per sequence
-    (verify_kernels/decode_attention.py) when `fused_decode`, the same 2 to 16 rows per sequence
-    (verify_kernels/tree_attention.py) when `fused_tree`. Off only to measure the difference."""
+    (verify_kernels/decode_attention.py) when `fused_decode`; the same few rows per sequence in
+    a small batch (verify_kernels/tree_attention.py: `tree.fuses`) when `fused_tree`. Off only
+    to measure the difference."""
 
     name = "triton"
     fused_decode = True
