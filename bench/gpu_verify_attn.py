@@ -6,8 +6,10 @@ two-launch path it replaces (rope_write_kv, then the general paged attention), s
    mask (Llama-3.1-8B heads, 1k context, each layer on its own KV) in one CUDA graph, per
    layer, over split counts and warp counts.
 2. The runner (Llama-3.1-8B shape, random weights, bf16): the batch-1 verification cost curve
-   (time of a Q-row step over a 1-row decode step) with the fused tree kernel off and on,
-   alternated; then the GPU time of each kernel in 1-, 2- and 8-row steps (torch.profiler).
+   (time of a Q-row step over a 1-row decode step) under alternated settings (RUNNER_MODES:
+   whether residual-writing matmuls leave the next norm's input, up to how many rows the tree
+   kernel fuses); then the GPU time of each kernel in 1-, 2-, 4- and 8-row steps under the
+   last setting (torch.profiler).
 
     PYTHONPATH=. python3 bench/gpu_verify_attn.py --out DIR   (writes DIR/gpu_verify_attn.json)
 """
@@ -108,21 +110,30 @@ def kernel_times(engine, segs, steps: int = 20) -> dict:
                         for k, (us, n) in sorted(by.items(), key=lambda kv: -kv[1][0])}}
 
 
+# name: (rows from which residual-writing matmuls leave the next norm's input, most rows the
+# tree kernel fuses); 17: never (the norm runs as a kernel before multi-row dot matmuls)
+RUNNER_MODES = {"norm_kernels_tree4": (17, 4), "emit_tree8": (2, 8), "emit1_tree4": (1, 4),
+                "emit_tree4": (2, 4)}
+
+
 def runner_ab(out: dict) -> None:
-    """Batch-1 cost curve with verification attention as two launches and fused, alternated;
-    then per-kernel GPU times. (The LM head inside 2- to 8-row graphs measured no faster:
-    gpu_verify_attn_h200_20261130_b.json.)"""
+    """Batch-1 cost curve under each of RUNNER_MODES, alternated twice; then per-kernel GPU
+    times. (The LM head inside 2- to 8-row graphs measured no faster:
+    gpu_verify_attn_h200_20261130_b.json; two launches instead of the tree kernel slower at 2
+    and 4 rows: _c.json.)"""
     import gc
+
+    from verify_kernels import skinny_gemm
+    from verify_kernels import tree_attention as tree
 
     tmp = Path(tempfile.mkdtemp())
     engine = gs.build_engine(gs.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton",
                              num_blocks=2600)
     engine.runner.kv.normal_()
-    runner, backend = engine.runner, engine.runner.backend
-    modes = {"two_launch": False, "tree": True}
+    runner = engine.runner
     res = []
-    for mode in list(modes) * 2:
-        backend.fused_tree = modes[mode]
+    for mode in list(RUNNER_MODES) * 2:
+        skinny_gemm.EMIT_MIN_ROWS, tree.MAX_Q = RUNNER_MODES[mode]
         runner.graphs.graphs.clear()  # recaptured with this path (tiles stay as tuned)
         runner.graphs.splits.clear()
         torch.cuda.synchronize()
@@ -140,7 +151,8 @@ def runner_ab(out: dict) -> None:
         res.append(row)
     out["runner_ab_b1"] = res
     out["kernel_times_b1"] = {
-        str(n): kernel_times(engine, gs.step_segments(engine, 1, n, gs.CTX)) for n in (1, 2, 8)}
+        str(n): kernel_times(engine, gs.step_segments(engine, 1, n, gs.CTX))
+        for n in (1, 2, 4, 8)}
     for n, kt in out["kernel_times_b1"].items():
         gs.log(f"rows {n}: span {kt.get('span_us', 0):.0f} us, busy {kt.get('busy_us', 0):.0f}: "
                + json.dumps(dict(list(kt.get("kernels", {}).items())[:12])))

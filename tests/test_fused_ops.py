@@ -19,7 +19,12 @@ from verify_kernels.fused_ops import (
     silu_mul,
     silu_mul_ref,
 )
-from verify_kernels.skinny_gemm import fused_linear, skinny_linear, skinny_linear_ref
+from verify_kernels.skinny_gemm import (
+    fused_linear,
+    residual_linear,
+    skinny_linear,
+    skinny_linear_ref,
+)
 
 DEV = "cuda" if os.environ.get("SPECDEC_TEST_DEVICE") == "cuda" else "cpu"
 DT = torch.bfloat16 if DEV == "cuda" else torch.float32
@@ -212,6 +217,46 @@ def test_skinny_fma_rows_fold_the_prologue(m, prologue):
         skinny_gemm.set_config(keys[0], cfg)
         out = skinny_linear(x, w, residual=res.clone(), **kw)
         torch.testing.assert_close(out, ref, **tol)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("forced", [False, True])
+def test_residual_linear_leaves_the_next_norm_input(m, gated, forced):
+    """An o_proj-style matmul (residual added in place) leaves the next RMSNorm's input; the
+    matmul that reads it as `prenormed` gives what normalising the residual itself gives. When
+    `forced`, the producer runs the FMA candidate with 4-column programs and leaves more
+    partial sums (275) than a 16-row consumer reads in one tile (256)."""
+    from verify_kernels import skinny_gemm
+
+    if forced and m != 5:
+        pytest.skip("one row count covers the forced tiles (the FMA candidate serves 2..8)")
+    g = torch.Generator().manual_seed(11 * m + 2 * gated + forced)
+    k, hidden, n = 96, 1100 if forced else 300, 72
+    x = torch.randn(m, k, generator=g).to(DEV, DT)
+    w_o = (torch.randn(hidden, k, generator=g) / k ** 0.5).to(DEV, DT)
+    res = torch.randn(m, hidden, generator=g).to(DEV, DT)
+    norm = (torch.rand(hidden, generator=g) + 0.5).to(DEV, DT)
+    w = (torch.randn(2 * n if gated else n, hidden, generator=g) / hidden ** 0.5).to(DEV, DT)
+    res_ref = skinny_linear_ref(x, w_o, residual=res)
+    ref = skinny_linear_ref(res_ref, w, norm_weight=norm, eps=1e-5, gated=gated)
+
+    def chain():
+        r = res.clone()
+        scaled = residual_linear(x, w_o, None, r, norm)
+        return r, scaled, fused_linear(r, w, norm_weight=norm, eps=1e-5, gated=gated,
+                                       prenormed=scaled)
+
+    with skinny_gemm.recording_keys() as keys:
+        r, scaled, out = chain()
+    assert scaled.scaled.shape == (m, hidden) and scaled.sumsq.shape[1] == m
+    if forced:
+        skinny_gemm.set_config(keys[0], (4, 32, 4, 1, True))
+        skinny_gemm.set_config(keys[1], (16, 32, 4, 1, False))
+        r, scaled, out = chain()
+        assert scaled.sumsq.shape[0] == 275
+    torch.testing.assert_close(r.float(), res_ref.float(), **MM_TOL)
+    torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="the CPU model check runs under the interpreter")

@@ -13,7 +13,12 @@ nothing else. This kernel folds them into the matmul:
   the output is silu(gate) * up, [M, N]: each program computes the gate and up columns it pairs,
   so the activation is an epilogue and the next matmul reads [M, N] as it is;
 - `residual`: the output is added to `residual` (which may be the output buffer itself: each
-  program reads and writes only its own columns), and `bias` is added before it.
+  program reads and writes only its own columns), and `bias` is added before it;
+- the norm hand-off (`residual_linear`, `prenormed`): a residual-writing matmul also stores its
+  rows times the next norm's weight and, per program, their sums of squares over its columns
+  (`ScaledRows`). The matmul after the norm reads those rows as they are and scales its output
+  by rstd. Of a model's norms only the first (and the final one, before the LM head) is left
+  to run otherwise.
 
 A program owns BLOCK_N output columns of every row and walks K. It reduces either with FMAs
 (the prologues fold in; one row always, and up to 8 rows as a candidate) or with tensor-core
@@ -30,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -90,12 +96,17 @@ def _skinny_kernel(
     bias_ptr,  # [N], or [2N] with GATED (any pointer without HAS_BIAS)
     res_ptr,  # [M, N], may be out_ptr (any pointer without HAS_RES)
     g_ptr,  # [K] norm weight (any pointer without NORM)
-    M, N, K,
+    ss_in_ptr,  # [P_in, M] float32 partial sums of squares of x's rows (with PRENORMED)
+    gn_ptr,  # [N] the next norm's weight (with EMIT)
+    scaled_ptr,  # [M, N] out * gn, that norm's input for the next matmul (with EMIT)
+    ss_out_ptr,  # [num_programs, M] float32: this program's sums of squares of out (with EMIT)
+    M, N, K, P_in,
     stride_xm, stride_wn, stride_om, stride_rm,
     eps,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr, FMA: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    PRENORMED: tl.constexpr, EMIT: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,6 +126,12 @@ def _skinny_kernel(
     if GATED:
         w_up = _load_rows(w_rows + N * stride_wn, rk, mask_n, rk < K, EVEN)
     pdl_wait_release(USE_PDL)
+    if PRENORMED:  # x is already x * g; rstd comes from the producer's partial sums
+        for p0 in range(0, P_in, BLOCK_P):  # one pass when BLOCK_P covers them: no latency
+            ps = p0 + tl.arange(0, BLOCK_P)
+            part = tl.load(ss_in_ptr + ps[:, None] * M + rm[None, :],
+                           mask=(ps < P_in)[:, None] & mask_m[None, :], other=0.0)
+            ss += tl.sum(part, axis=0)
     acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, rk, mask_m, K, NORM,
                              SILU_MUL, GATED, BLOCK_M, FMA, DOT_PRECISION)
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -125,7 +142,7 @@ def _skinny_kernel(
             w_up = _load_rows(w_rows + N * stride_wn, ks, mask_n, ks < K, EVEN)
         acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K, NORM,
                                  SILU_MUL, GATED, BLOCK_M, FMA, DOT_PRECISION)
-    if NORM:
+    if NORM or PRENORMED:
         rstd = tl.rsqrt(ss / K + eps)[:, None]
         acc = acc * rstd
         acc_up = acc_up * rstd
@@ -139,8 +156,14 @@ def _skinny_kernel(
     if HAS_RES:
         res = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=om, other=0.0)
         acc += res.to(tl.float32)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=om)
+    y = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y, mask=om)
+    if EMIT:  # the next norm's input, from the rounded values the residual stream keeps
+        yf = tl.where(om, y.to(tl.float32), 0.0)
+        tl.store(ss_out_ptr + pid * M + rm, tl.sum(yf * yf, axis=1), mask=mask_m)
+        gn = tl.load(gn_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(scaled_ptr + rm[:, None] * N + rn[None, :],
+                 (yf * gn[None, :]).to(scaled_ptr.dtype.element_ty), mask=om)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, FMA[, FOLD]) tried per shape on the GPU. FMAs allow
@@ -160,6 +183,11 @@ CONFIGS_DOT = ((16, 256, 4, 4, False), (32, 256, 4, 4, False), (32, 512, 8, 3, F
 CONFIGS_DOT_FOLD = ((32, 256, 4, 4, False, True), (64, 256, 8, 3, False, True),
                     (64, 128, 4, 4, False, True), (128, 128, 8, 3, False, True))
 _INTERPRET_CONFIG = (32, 64, 4, 1)
+# Rows from which a residual-writing matmul leaves the next norm's input (`residual_linear`).
+# From one row: the batch-1 decode step measured 4.12 ms against 4.14 with one-row steps
+# keeping the norm in their FMA loop, and 2-8-row steps 63-70 us faster than with the norm as
+# a kernel of its own (bench/results/gpu_verify_attn_h200_20261130_emit.json).
+EMIT_MIN_ROWS = 1
 _CHOSEN: dict[tuple, Config] = {}
 _RAN: dict[tuple, list[Config]] = {}  # per key, the configs that ran
 _SEEN: list[tuple] | None = None  # keys launched inside `recording_keys`
@@ -167,6 +195,18 @@ _SEEN: list[tuple] | None = None  # keys launched inside `recording_keys`
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class ScaledRows:
+    """An RMSNorm's input as the residual-writing matmul before it left it (`residual_linear`):
+    the rows times the norm weight, and each of that matmul's programs' sums of squares of the
+    rows over its columns. The matmul that consumes them (`prenormed=`) reads `scaled` as is and
+    applies rstd to its output, so the norm is neither a kernel of its own nor work in the dot
+    loop."""
+
+    scaled: torch.Tensor  # [M, K] x * g, model dtype
+    sumsq: torch.Tensor  # [P, M] float32 partial sums of x * x; their total over P per row
 
 
 def skinny_linear(
@@ -180,9 +220,16 @@ def skinny_linear(
     gated: bool = False,
     residual: torch.Tensor | None = None,  # [M, N]; the result is written here when out is None
     out_dtype: torch.dtype | None = None,
+    prenormed: ScaledRows | None = None,  # norm_weight's input, as the matmul before left it
 ) -> torch.Tensor:  # [M, N]
     """epilogue(linear(prologue(x), weight, bias)) (+ residual, in place): see the module
     docstring."""
+    return _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dtype,
+                   prenormed, None)[0]
+
+
+def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dtype, prenormed,
+            emit_norm) -> tuple[torch.Tensor, ScaledRows | None]:
     m = x.shape[0]
     n, k = weight.shape
     assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, "rows must be contiguous"
@@ -192,6 +239,10 @@ def skinny_linear(
     assert x.device == weight.device
     if norm_weight is not None:
         assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
+    if prenormed is not None:
+        assert norm_weight is not None, "prenormed is the input of norm_weight's norm"
+        assert prenormed.scaled.shape == x.shape and prenormed.scaled.is_contiguous()
+        assert prenormed.sumsq.shape[1:] == (m,) and prenormed.sumsq.dtype == torch.float32
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
     if gated:
@@ -202,38 +253,57 @@ def skinny_linear(
         out = residual
     else:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if emit_norm is not None:
+        assert residual is not None and emit_norm.shape == (n,) and emit_norm.is_contiguous()
     rows = 1 << (m - 1).bit_length()
     key = (rows, n, k, x.dtype, weight.dtype, norm_weight is not None, silu_mul,
-           bias is not None, residual is not None, gated)
+           bias is not None, residual is not None, gated, prenormed is not None,
+           emit_norm is not None)
     if _SEEN is not None and key not in _SEEN:
         _SEEN.append(key)
 
-    def launch(cfg: Config, o: torch.Tensor, r: torch.Tensor | None) -> None:
+    def launch(cfg: Config, o: torch.Tensor, r: torch.Tensor | None) -> ScaledRows | None:
         bn, bk, warps, stages, fma, *fold = cfg
         xin, g, silu = x, norm_weight, silu_mul
-        if not fma and not any(fold) and (g is not None or silu):  # the prologue runs first
+        if prenormed is not None:
+            xin, g = prenormed.scaled, None
+        elif not fma and not any(fold) and (g is not None or silu):  # the prologue runs first
             from verify_kernels.fused_ops import rms_norm
             from verify_kernels.fused_ops import silu_mul as silu_mul_
 
             xin = silu_mul_(x) if silu else rms_norm(x, g, eps)
             g, silu = None, False
-        _skinny_kernel[(triton.cdiv(n, bn),)](
+        grid = triton.cdiv(n, bn)
+        emitted = None
+        if emit_norm is not None:
+            emitted = ScaledRows(torch.empty(m, n, dtype=o.dtype, device=o.device),
+                                 torch.empty(grid, m, dtype=torch.float32, device=o.device))
+        ss_in = prenormed.sumsq if prenormed is not None else weight
+        block_m = rows if fma else 16
+        # All the partial sums in one tile, up to 4096 values (registers).
+        block_p = min(triton.next_power_of_2(ss_in.shape[0]), max(64, 4096 // block_m))
+        _skinny_kernel[(grid,)](
             xin, weight, o, bias if bias is not None else weight, r if r is not None else o,
-            g if g is not None else weight,
-            m, n, k, xin.stride(0), weight.stride(0), o.stride(0),
+            g if g is not None else weight, ss_in,
+            emit_norm if emitted else weight, emitted.scaled if emitted else o,
+            emitted.sumsq if emitted else weight,
+            m, n, k, ss_in.shape[0], xin.stride(0), weight.stride(0), o.stride(0),
             r.stride(0) if r is not None else 0, eps,
             NORM=g is not None, SILU_MUL=silu, GATED=gated, HAS_BIAS=bias is not None,
-            HAS_RES=r is not None, BLOCK_M=rows if fma else 16, BLOCK_N=bn, BLOCK_K=bk,
+            HAS_RES=r is not None, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
             EVEN=n % bn == 0 and k % bk == 0, FMA=fma,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            PRENORMED=prenormed is not None, EMIT=emitted is not None,
+            BLOCK_P=block_p if prenormed is not None else 1,
             num_warps=warps, num_stages=stages, **pdl_args(x.device))
+        return emitted
 
     cfg = _CHOSEN.get(key)
     if cfg is None:
         configs = CONFIGS_ONE_ROW if m == 1 else CONFIGS_DOT
         if 1 < m <= FMA_MAX_ROWS:
             configs += CONFIGS_FMA_ROWS
-        if m > 1 and (norm_weight is not None or silu_mul):
+        if m > 1 and prenormed is None and (norm_weight is not None or silu_mul):
             configs += CONFIGS_DOT_FOLD
         ran = _tune(launch, configs, out, residual, x.device, m == 1)
         if ran is None:  # capturing a CUDA graph: no timing now, and nothing remembered
@@ -241,8 +311,7 @@ def skinny_linear(
         else:
             cfg, _RAN[key] = ran[0], ran
             _CHOSEN[key] = cfg
-    launch(cfg, out, residual)
-    return out
+    return out, launch(cfg, out, residual)
 
 
 def _tune(launch, configs, out: torch.Tensor, residual: torch.Tensor | None,
@@ -328,13 +397,14 @@ def fused_linear(
     gated: bool = False,
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    prenormed: ScaledRows | None = None,
 ) -> torch.Tensor:
     """skinny_linear's contract at any row count: past MAX_ROWS the prologue and epilogue are
     kernels of their own around cuBLAS, where a launch is small beside the matmul."""
     if 0 < x.shape[0] <= MAX_ROWS:
         return skinny_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
                              silu_mul=silu_mul, gated=gated, residual=residual,
-                             out_dtype=out_dtype)
+                             out_dtype=out_dtype, prenormed=prenormed)
     from verify_kernels.fused_ops import rms_norm
     from verify_kernels.fused_ops import silu_mul as silu_mul_
 
@@ -348,3 +418,18 @@ def fused_linear(
     if residual is not None:
         return residual.add_(y)
     return y if out_dtype is None else y.to(out_dtype)
+
+
+def residual_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N]
+    residual: torch.Tensor,  # [M, N], updated in place
+    next_norm: torch.Tensor | None = None,  # [N] the weight of the RMSNorm that reads residual
+) -> ScaledRows | None:
+    """residual += linear(x); at EMIT_MIN_ROWS..MAX_ROWS rows with `next_norm`, also that norm's
+    input for the matmul after it (ScaledRows, pass it as `prenormed`), else None."""
+    if next_norm is None or not EMIT_MIN_ROWS <= x.shape[0] <= MAX_ROWS:
+        fused_linear(x, weight, bias, residual=residual)
+        return None
+    return _skinny(x, weight, bias, None, 1e-6, False, False, residual, None, None, next_norm)[1]

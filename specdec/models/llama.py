@@ -5,7 +5,7 @@ Qwen3 (per-head q/k RMSNorm). One implementation with architecture flags, built 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,9 @@ from torch import nn
 from specdec.attention import AttentionMetadata
 from specdec.models.cpu_linear import cpu_linear
 from specdec.models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from verify_kernels.skinny_gemm import ScaledRows
 
 
 @dataclass(frozen=True)
@@ -106,13 +109,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         kv: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         backend: Any,
-    ) -> None:
+        prenormed: ScaledRows | None,  # `norm`'s input as the matmul before left it
+        next_norm: RMSNorm,  # the norm after the residual add, whose input o_proj may leave
+    ) -> ScaledRows | None:
         from verify_kernels.fused_ops import rope_write_kv
-        from verify_kernels.skinny_gemm import fused_linear
+        from verify_kernels.skinny_gemm import fused_linear, residual_linear
 
         t = res.shape[0]
-        qkv = fused_linear(res, self.qkv_proj.weight, self.qkv_proj.bias,
-                           norm_weight=norm.weight, eps=norm.eps)  # [T, q + 2 kv]
+        qkv = fused_linear(res, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=norm.weight,
+                           eps=norm.eps, prenormed=prenormed)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -125,7 +130,8 @@ class Attention(nn.Module):
         else:
             rope_write_kv(q, k, v, positions, inv, rs, kv[0], kv[1], meta.slot_mapping)
             o = backend.attend(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
-        fused_linear(o.view(t, self.q_size), self.o_proj.weight, self.o_proj.bias, residual=res)
+        return residual_linear(o.view(t, self.q_size), self.o_proj.weight, self.o_proj.bias,
+                               res, next_norm.weight)
 
 
 class MLP(nn.Module):
@@ -160,16 +166,22 @@ class DecoderLayer(nn.Module):
         residual = h + residual
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
-    def forward_fused(self, res, positions, meta, kv, backend) -> None:
+    def forward_fused(self, res, positions, meta, kv, backend, prenormed: ScaledRows | None,
+                      next_norm: RMSNorm | None) -> ScaledRows | None:
         """The GPU path: `res` [T, hidden] is the residual stream, updated in place; norms and
-        the activation ride inside the matmuls (verify_kernels/skinny_gemm.py)."""
-        from verify_kernels.skinny_gemm import fused_linear
+        the activation ride inside the matmuls (verify_kernels/skinny_gemm.py). Each
+        residual-writing matmul may leave the next norm's input (ScaledRows) for the matmul
+        that reads it; `prenormed` is this layer's, `next_norm` the next layer's input norm."""
+        from verify_kernels.skinny_gemm import fused_linear, residual_linear
 
-        self.self_attn.forward_fused(res, self.input_layernorm, positions, meta, kv, backend)
         ln, mlp = self.post_attention_layernorm, self.mlp
+        mid = self.self_attn.forward_fused(res, self.input_layernorm, positions, meta, kv,
+                                           backend, prenormed, ln)
         act = fused_linear(res, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                           norm_weight=ln.weight, eps=ln.eps, gated=True)  # [T, inter]
-        fused_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=res)
+                           norm_weight=ln.weight, eps=ln.eps, gated=True,
+                           prenormed=mid)  # [T, inter]
+        return residual_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, res,
+                               next_norm.weight if next_norm is not None else None)
 
 
 class LlamaModel(nn.Module):
@@ -215,8 +227,11 @@ class LlamaForCausalLM(nn.Module):
 
             res = m.embed_tokens(input_ids)  # [T, hidden], the residual stream
             captured: list[torch.Tensor] = []
+            prenormed = None
             for i, layer in enumerate(m.layers):
-                layer.forward_fused(res, positions, meta, kv_cache[i], backend)
+                nxt = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else None
+                prenormed = layer.forward_fused(res, positions, meta, kv_cache[i], backend,
+                                                prenormed, nxt)
                 if i in capture_layers:
                     captured.append(res.clone())
             return rms_norm(res, m.norm.weight, m.norm.eps), captured
