@@ -8,8 +8,9 @@
 #   verify:  the attention kernels' bf16 tests, then tree attention fused vs two launches and
 #            the cost curve with it off and on (bench/gpu_verify_attn.py), then the decode
 #            kernel's tile and warp choices (bench/gpu_decode_attn.py --kernels-only);
-#   runner:  the attention tests and the norm hand-off's in bf16, then the runner's batch-1 cost curve
-#            under alternated settings (bench/gpu_verify_attn.py --skip-kernels).
+#   runner:  the attention tests and the few-row matmul's in bf16, then the runner's
+#            batch-1 cost curve under alternated settings (bench/gpu_verify_attn.py
+#            --skip-kernels).
 # Needs nothing from the network. From the repo root:
 #   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|verify|runner|all]
 set -uo pipefail
@@ -42,9 +43,9 @@ export PYTHONUNBUFFERED=1
     timeout 100 python3 bench/gpu_decode_attn.py --out "$out" --kernels-only
   fi
   if [ "$part" = runner ]; then
-    SPECDEC_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q --noconftest -p no:cacheprovider \
-      tests/test_decode_attention.py tests/test_fused_ops.py -k "decode or tree or fuses or residual_linear" \
-      2>&1 | tail -5
+    SPECDEC_TEST_DEVICE=cuda SPECDEC_SKINNY_TUNE=0 timeout 200 python3 -m pytest -q \
+      --noconftest -p no:cacheprovider tests/test_decode_attention.py tests/test_fused_ops.py \
+      -k "decode or tree or fuses or residual_linear or candidates or split_k" 2>&1 | tail -5
     timeout 400 python3 bench/gpu_verify_attn.py --out "$out" --skip-kernels
   fi
 } 2>&1 | tee "$out/gpu_run_${part}.log"

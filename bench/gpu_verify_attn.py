@@ -7,9 +7,10 @@ two-launch path it replaces (rope_write_kv, then the general paged attention), s
    layer, over split counts and warp counts.
 2. The runner (Llama-3.1-8B shape, random weights, bf16): the batch-1 verification cost curve
    (time of a Q-row step over a 1-row decode step) under alternated settings (RUNNER_MODES:
-   whether residual-writing matmuls leave the next norm's input, up to how many rows the tree
-   kernel fuses); then the GPU time of each kernel in 1-, 2-, 4- and 8-row steps under the
-   last setting (torch.profiler).
+   from how many rows the norm hand-off runs, up to how many rows the tree kernel fuses,
+   whether few-row matmuls may take swapped-dot and split-K tiles); then the GPU time of each
+   kernel (and of each layer matmul) in 1-, 2-, 4- and 8-row steps under the last setting
+   (torch.profiler).
 
     PYTHONPATH=. python3 bench/gpu_verify_attn.py --out DIR   (writes DIR/gpu_verify_attn.json)
 """
@@ -105,20 +106,30 @@ def kernel_times(engine, segs, steps: int = 20) -> dict:
         by[e.name[:70]] = (us + (e.time_range.end - e.time_range.start) / steps, n + 1 / steps)
     span = (ev[-1].time_range.end - ev[0].time_range.start) / steps
     busy = sum(us for us, _ in by.values())
+    skinny = [e for e in ev if e.name.startswith("_skinny_kernel")]
+    per_step = len(skinny) // steps
+    roles: dict = {}
+    for i, e in enumerate(skinny):
+        p = i % per_step
+        role = SKINNY_ROLES[p % 4] if p < per_step - 1 else "lm_head"
+        roles[role] = roles.get(role, 0.0) + (e.time_range.end - e.time_range.start) / steps
     return {"span_us": span, "busy_us": busy,
+            "skinny_us_by_role": {k: round(v, 1) for k, v in roles.items()},
             "kernels": {k: {"us": round(us, 2), "count": round(n, 2)}
                         for k, (us, n) in sorted(by.items(), key=lambda kv: -kv[1][0])}}
 
 
 # name: (rows from which residual-writing matmuls leave the next norm's input, most rows the
-# tree kernel fuses); 17: never (the norm runs as a kernel before multi-row dot matmuls)
-RUNNER_MODES = {"norm_kernels_tree4": (17, 4), "emit_tree8": (2, 8), "emit1_tree4": (1, 4),
-                "emit_tree4": (2, 4)}
+# tree kernel fuses, whether few-row matmuls may take swapped-dot tiles, and split-K tiles).
+# Earlier runs: gpu_verify_attn_h200_20261130_emit.json (norm hand-off), _swap.json.
+RUNNER_MODES = {"nosplit_tree4": (1, 4, True, False), "split_tree4": (1, 4, True, True)}
+SKINNY_ROLES = ("qkv", "o_proj", "gate_up", "down")  # per layer, in launch order; then LM head
 
 
 def runner_ab(out: dict) -> None:
-    """Batch-1 cost curve under each of RUNNER_MODES, alternated twice; then per-kernel GPU
-    times. (The LM head inside 2- to 8-row graphs measured no faster:
+    """Batch-1 cost curve under each of RUNNER_MODES, alternated twice (each tile choice tuned
+    once, on its first visit); then per-kernel GPU times under the last mode and the tiles it
+    chose. (The LM head inside 2- to 8-row graphs measured no faster:
     gpu_verify_attn_h200_20261130_b.json; two launches instead of the tree kernel slower at 2
     and 4 rows: _c.json.)"""
     import gc
@@ -131,10 +142,16 @@ def runner_ab(out: dict) -> None:
                              num_blocks=2600)
     engine.runner.kv.normal_()
     runner = engine.runner
+    swap_configs, split_configs = skinny_gemm.CONFIGS_SWAP, skinny_gemm.CONFIGS_SPLIT
+    tunings: dict[tuple, tuple] = {}  # per tile choice: (chosen, ran, graph-tuned keys)
     res = []
     for mode in list(RUNNER_MODES) * 2:
-        skinny_gemm.EMIT_MIN_ROWS, tree.MAX_Q = RUNNER_MODES[mode]
-        runner.graphs.graphs.clear()  # recaptured with this path (tiles stay as tuned)
+        skinny_gemm.EMIT_MIN_ROWS, tree.MAX_Q, swap, split = RUNNER_MODES[mode]
+        skinny_gemm.CONFIGS_SWAP = swap_configs if swap else ()
+        skinny_gemm.CONFIGS_SPLIT = split_configs if split else ()
+        state = tunings.setdefault((swap, split), ({}, {}, set()))
+        skinny_gemm._CHOSEN, skinny_gemm._RAN, runner.graphs._tuned_keys = state
+        runner.graphs.graphs.clear()  # recaptured with this path
         runner.graphs.splits.clear()
         torch.cuda.synchronize()
         gc.collect()
@@ -150,12 +167,14 @@ def runner_ab(out: dict) -> None:
         gs.log(json.dumps(row))
         res.append(row)
     out["runner_ab_b1"] = res
+    out["skinny_configs_last_mode"] = {str(k): v for k, v in skinny_gemm.chosen_configs().items()}
     out["kernel_times_b1"] = {
         str(n): kernel_times(engine, gs.step_segments(engine, 1, n, gs.CTX))
         for n in (1, 2, 4, 8)}
     for n, kt in out["kernel_times_b1"].items():
         gs.log(f"rows {n}: span {kt.get('span_us', 0):.0f} us, busy {kt.get('busy_us', 0):.0f}: "
-               + json.dumps(dict(list(kt.get("kernels", {}).items())[:12])))
+               + json.dumps(dict(list(kt.get("kernels", {}).items())[:12]))
+               + " matmuls: " + json.dumps(kt.get("skinny_us_by_role")))
 
 
 def main() -> None:

@@ -125,7 +125,7 @@ def test_gated_linear(m, norm, bias, fma):
     if fma:
         with skinny_gemm.recording_keys() as keys:
             skinny_linear(x, w, b, **kw)
-        skinny_gemm.set_config(keys[0], (16, 32, 4, 1, True))
+        skinny_gemm.set_config(keys[0], (16, 32, 4, 1, "fma"))
     out = fused_linear(x, w, b, **kw)
     assert out.shape == (m, n)
     torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
@@ -196,10 +196,10 @@ def test_skinny_tile_choice_hooks():
 
 @pytest.mark.parametrize("m", [2, 3, 8])
 @pytest.mark.parametrize("prologue", ["norm", "silu"])
-def test_skinny_fma_rows_fold_the_prologue(m, prologue):
-    """The several-row FMA candidate and the dot candidate with the prologue in its loop (norm
-    or SiLU-and-multiply folded in, residual in place) against the reference, forced through
-    set_config as the tuner would pick them."""
+def test_skinny_candidates_fold_the_prologue(m, prologue):
+    """The several-row FMA candidate and the swapped dot candidate, each with the prologue in
+    its loop (norm or SiLU-and-multiply folded in, residual in place), against the reference,
+    forced through set_config as the tuner would pick them."""
     from verify_kernels import skinny_gemm
 
     g = torch.Generator().manual_seed(m)
@@ -213,7 +213,7 @@ def test_skinny_fma_rows_fold_the_prologue(m, prologue):
     with skinny_gemm.recording_keys() as keys:
         skinny_linear(x, w, residual=res.clone(), **kw)  # records (and tunes) the key
     tol = {"atol": 3e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
-    for cfg in ((16, 32, 4, 1, True), (16, 32, 4, 1, False, True)):  # FMA rows; folded dots
+    for cfg in ((16, 32, 4, 1, "fma"), (64, 32, 4, 1, "swap")):  # the prologue in the loop
         skinny_gemm.set_config(keys[0], cfg)
         out = skinny_linear(x, w, residual=res.clone(), **kw)
         torch.testing.assert_close(out, ref, **tol)
@@ -251,12 +251,48 @@ def test_residual_linear_leaves_the_next_norm_input(m, gated, forced):
         r, scaled, out = chain()
     assert scaled.scaled.shape == (m, hidden) and scaled.sumsq.shape[1] == m
     if forced:
-        skinny_gemm.set_config(keys[0], (4, 32, 4, 1, True))
-        skinny_gemm.set_config(keys[1], (16, 32, 4, 1, False))
+        skinny_gemm.set_config(keys[0], (4, 32, 4, 1, "fma"))
+        skinny_gemm.set_config(keys[1], (64, 32, 4, 1, "swap"))
         r, scaled, out = chain()
         assert scaled.sumsq.shape[0] == 275
     torch.testing.assert_close(r.float(), res_ref.float(), **MM_TOL)
     torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
+
+
+@pytest.mark.parametrize("m", [2, 16])
+@pytest.mark.parametrize("kind", ["dot", "swap"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_split_k(m, kind, gated):
+    """Split-K tiles: the parts' sums add up to the reference through every epilogue (residual
+    and the norm hand-off, rstd and the gated activation after it, an in-loop norm that then
+    runs first as a kernel), and every arrival counter is back at zero afterwards."""
+    from verify_kernels import skinny_gemm
+
+    g = torch.Generator().manual_seed(5 * m + gated)
+    k, hidden, n = 96, 300, 72
+    x = torch.randn(m, k, generator=g).to(DEV, DT)
+    w_o = (torch.randn(hidden, k, generator=g) / k ** 0.5).to(DEV, DT)
+    res = torch.randn(m, hidden, generator=g).to(DEV, DT)
+    norm = (torch.rand(hidden, generator=g) + 0.5).to(DEV, DT)
+    w = (torch.randn(2 * n if gated else n, hidden, generator=g) / hidden ** 0.5).to(DEV, DT)
+    res_ref = skinny_linear_ref(x, w_o, residual=res)
+    ref = skinny_linear_ref(res_ref, w, norm_weight=norm, eps=1e-5, gated=gated)
+    with skinny_gemm.recording_keys() as keys:
+        r = res.clone()
+        scaled = residual_linear(x, w_o, None, r, norm)
+        fused_linear(r, w, norm_weight=norm, eps=1e-5, gated=gated, prenormed=scaled)
+        fused_linear(r, w, norm_weight=norm, eps=1e-5, gated=gated)
+    skinny_gemm.set_config(keys[0], (32, 32, 4, 1, kind, 3))  # K 96: three parts of one tile
+    for key in keys[1:]:
+        skinny_gemm.set_config(key, (64, 64, 4, 1, kind, 2))  # K 300: 3 tiles, then 2
+    r = res.clone()
+    scaled = residual_linear(x, w_o, None, r, norm)
+    out = fused_linear(r, w, norm_weight=norm, eps=1e-5, gated=gated, prenormed=scaled)
+    unfolded = fused_linear(r, w, norm_weight=norm, eps=1e-5, gated=gated)
+    torch.testing.assert_close(r.float(), res_ref.float(), **MM_TOL)
+    torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
+    torch.testing.assert_close(unfolded.float(), ref.float(), **MM_TOL)
+    assert not skinny_gemm._COUNTERS[r.device].any()
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="the CPU model check runs under the interpreter")

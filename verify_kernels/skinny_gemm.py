@@ -22,12 +22,13 @@ nothing else. This kernel folds them into the matmul:
 
 A program owns BLOCK_N output columns of every row and walks K. It reduces either with FMAs
 (the prologues fold in; one row always, and up to 8 rows as a candidate) or with tensor-core
-dots over a 16-row tile (the prologue then runs first as a kernel of its own: folded into the
-dot loop it stalls the weight pipeline, an 8-row step took 11.0 ms instead of 5.25 on an
-H200). Which, and the tile sizes, are chosen per shape and row count by timing on first use
-(never while a CUDA graph is being captured); the graph runner may then re-choose them by
-timing the whole captured step (`recording_keys`, `candidates`, `set_config`). The PyTorch
-reference is `skinny_linear_ref`.
+dots over a 16-row tile: the x tile against the weight tile (the prologue then runs first as a
+kernel of its own: folded into that loop it stalled the weight pipeline, an 8-row step took
+11.0 ms instead of 5.25 on an H200), or swapped, the weight tile against x (see Config).
+Which, and the tile sizes, are chosen per shape and row count by timing on first use (never
+while a CUDA graph is being captured); the graph runner may then re-choose them by timing the
+whole captured step (`recording_keys`, `candidates`, `set_config`). The PyTorch reference
+is `skinny_linear_ref`.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ def _load_rows(rows, ks, mask_n, mask_k, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, FMA: tl.constexpr,
+def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
     if BLOCK_M == 1:
         acc += tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
     elif FMA:  # [BLOCK_M, BLOCK_N, BLOCK_K] products, reduced over K
         acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+    elif SWAP:  # acc is [BLOCK_N, BLOCK_M]: the weight tile is the MMA's wide operand
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=DOT_PRECISION)
     else:
         acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
@@ -68,7 +71,8 @@ def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, FMA: tl.constexpr,
 @triton.jit
 def _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K,
            NORM: tl.constexpr, SILU_MUL: tl.constexpr, GATED: tl.constexpr,
-           BLOCK_M: tl.constexpr, FMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+           BLOCK_M: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr,
+           DOT_PRECISION: tl.constexpr):
     """One K tile: load x (with its prologue) and accumulate against the loaded weights."""
     mask_k = ks < K
     xm = mask_m[:, None] & mask_k[None, :]
@@ -82,67 +86,19 @@ def _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K,
         ss += tl.sum(x * x, axis=1)
         g = tl.load(g_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
         x = x * g[None, :]
-    acc = _accumulate(acc, w, x, BLOCK_M, FMA, DOT_PRECISION)
+    acc = _accumulate(acc, w, x, BLOCK_M, FMA, SWAP, DOT_PRECISION)
     if GATED:
-        acc_up = _accumulate(acc_up, w_up, x, BLOCK_M, FMA, DOT_PRECISION)
+        acc_up = _accumulate(acc_up, w_up, x, BLOCK_M, FMA, SWAP, DOT_PRECISION)
     return acc, acc_up, ss
 
 
 @triton.jit
-def _skinny_kernel(
-    x_ptr,  # [M, K], or [M, 2K] (gate | up) with SILU_MUL
-    w_ptr,  # [N, K], or [2N, K] (gate rows | up rows) with GATED
-    out_ptr,  # [M, N]
-    bias_ptr,  # [N], or [2N] with GATED (any pointer without HAS_BIAS)
-    res_ptr,  # [M, N], may be out_ptr (any pointer without HAS_RES)
-    g_ptr,  # [K] norm weight (any pointer without NORM)
-    ss_in_ptr,  # [P_in, M] float32 partial sums of squares of x's rows (with PRENORMED)
-    gn_ptr,  # [N] the next norm's weight (with EMIT)
-    scaled_ptr,  # [M, N] out * gn, that norm's input for the next matmul (with EMIT)
-    ss_out_ptr,  # [num_programs, M] float32: this program's sums of squares of out (with EMIT)
-    M, N, K, P_in,
-    stride_xm, stride_wn, stride_om, stride_rm,
-    eps,
-    NORM: tl.constexpr, SILU_MUL: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, FMA: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    PRENORMED: tl.constexpr, EMIT: tl.constexpr, BLOCK_P: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    mask_n = rn < N
-    mask_m = rm < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED only
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    # The first weight tile does not depend on the kernel before this one: under PDL it is
-    # in flight while that kernel finishes (verify_kernels/pdl.py).
-    w = _load_rows(w_rows, rk, mask_n, rk < K, EVEN)  # [BLOCK_N, BLOCK_K]
-    w_up = w
-    if GATED:
-        w_up = _load_rows(w_rows + N * stride_wn, rk, mask_n, rk < K, EVEN)
-    pdl_wait_release(USE_PDL)
-    if PRENORMED:  # x is already x * g; rstd comes from the producer's partial sums
-        for p0 in range(0, P_in, BLOCK_P):  # one pass when BLOCK_P covers them: no latency
-            ps = p0 + tl.arange(0, BLOCK_P)
-            part = tl.load(ss_in_ptr + ps[:, None] * M + rm[None, :],
-                           mask=(ps < P_in)[:, None] & mask_m[None, :], other=0.0)
-            ss += tl.sum(part, axis=0)
-    acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, rk, mask_m, K, NORM,
-                             SILU_MUL, GATED, BLOCK_M, FMA, DOT_PRECISION)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        ks = k0 + rk
-        w = _load_rows(w_rows, ks, mask_n, ks < K, EVEN)
-        w_up = w
-        if GATED:
-            w_up = _load_rows(w_rows + N * stride_wn, ks, mask_n, ks < K, EVEN)
-        acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K, NORM,
-                                 SILU_MUL, GATED, BLOCK_M, FMA, DOT_PRECISION)
-    if NORM or PRENORMED:
+def _epilogue(acc, acc_up, ss, rm, rn, mask_m, mask_n, pid, out_ptr, bias_ptr, res_ptr, gn_ptr,
+              scaled_ptr, ss_out_ptr, M, N, K, stride_om, stride_rm, eps,
+              RSTD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_RES: tl.constexpr, EMIT: tl.constexpr):
+    """rstd, bias, activation, residual on [BLOCK_M, BLOCK_N] sums; the store; the hand-off."""
+    if RSTD:
         rstd = tl.rsqrt(ss / K + eps)[:, None]
         acc = acc * rstd
         acc_up = acc_up * rstd
@@ -166,28 +122,134 @@ def _skinny_kernel(
                  (yf * gn[None, :]).to(scaled_ptr.dtype.element_ty), mask=om)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, FMA[, FOLD]) tried per shape on the GPU. FMAs allow
-# narrow column tiles (more programs in flight for tall-K layers); with several rows they hold
-# BLOCK_M * BLOCK_N * BLOCK_K products, so K tiles shrink. Tensor-core tiles are 16 or more.
-# FOLD (dots only): the prologue is folded into the dot loop instead of run as a kernel first;
-# a candidate, since which is faster depends on the tile (the separate norm kernel costs about
-# 1.8 us per layer input on the H200, 118 us of an 8-row Llama-3.1-8B step).
-Config = tuple  # (int, int, int, int, bool) or with a sixth field, bool
+@triton.jit
+def _skinny_kernel(
+    x_ptr,  # [M, K], or [M, 2K] (gate | up) with SILU_MUL
+    w_ptr,  # [N, K], or [2N, K] (gate rows | up rows) with GATED
+    out_ptr,  # [M, N]
+    bias_ptr,  # [N], or [2N] with GATED (any pointer without HAS_BIAS)
+    res_ptr,  # [M, N], may be out_ptr (any pointer without HAS_RES)
+    g_ptr,  # [K] norm weight (any pointer without NORM)
+    ss_in_ptr,  # [P_in, M] float32 partial sums of squares of x's rows (with PRENORMED)
+    gn_ptr,  # [N] the next norm's weight (with EMIT)
+    scaled_ptr,  # [M, N] out * gn, that norm's input for the next matmul (with EMIT)
+    ss_out_ptr,  # [cdiv(N, BLOCK_N), M] float32: each column tile's sums of squares (EMIT)
+    ws_ptr,  # [SPLIT_K, 1 + GATED, M, N] float32 partial sums (SPLIT_K > 1)
+    cnt_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero between launches (SPLIT_K > 1)
+    M, N, K, P_in, TILES_PER_SPLIT,
+    stride_xm, stride_wn, stride_om, stride_rm,
+    eps,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr, PRENORMED: tl.constexpr, EMIT: tl.constexpr, BLOCK_P: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    k_lo = tl.program_id(1) * TILES_PER_SPLIT * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + TILES_PER_SPLIT * BLOCK_K)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    mask_n = rn < N
+    mask_m = rm < M
+    if SWAP:  # transposed until the epilogue
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # GATED only
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    # The first weight tile does not depend on the kernel before this one: under PDL it is
+    # in flight while that kernel finishes (verify_kernels/pdl.py).
+    ks = k_lo + rk
+    w = _load_rows(w_rows, ks, mask_n, ks < K, EVEN)  # [BLOCK_N, BLOCK_K]
+    w_up = w
+    if GATED:
+        w_up = _load_rows(w_rows + N * stride_wn, ks, mask_n, ks < K, EVEN)
+    pdl_wait_release(USE_PDL)
+    if PRENORMED:  # x is already x * g; rstd comes from the producer's partial sums
+        for p0 in range(0, P_in, BLOCK_P):  # one pass when BLOCK_P covers them: no latency
+            ps = p0 + tl.arange(0, BLOCK_P)
+            part = tl.load(ss_in_ptr + ps[:, None] * M + rm[None, :],
+                           mask=(ps < P_in)[:, None] & mask_m[None, :], other=0.0)
+            ss += tl.sum(part, axis=0)
+    acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K, NORM,
+                             SILU_MUL, GATED, BLOCK_M, FMA, SWAP, DOT_PRECISION)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        ks = k0 + rk
+        w = _load_rows(w_rows, ks, mask_n, ks < K, EVEN)
+        w_up = w
+        if GATED:
+            w_up = _load_rows(w_rows + N * stride_wn, ks, mask_n, ks < K, EVEN)
+        acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K, NORM,
+                                 SILU_MUL, GATED, BLOCK_M, FMA, SWAP, DOT_PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
+    if SPLIT_K == 1:
+        _epilogue(acc, acc_up, ss, rm, rn, mask_m, mask_n, pid, out_ptr, bias_ptr, res_ptr,
+                  gn_ptr, scaled_ptr, ss_out_ptr, M, N, K, stride_om, stride_rm, eps,
+                  NORM or PRENORMED, GATED, HAS_BIAS, HAS_RES, EMIT)
+    else:
+        # Each split leaves its sums in the workspace; the one that finishes last per column
+        # tile adds them up in split order (the same result whichever that is), resets the
+        # tile's counter and runs the epilogue.
+        om = mask_m[:, None] & mask_n[None, :]
+        tile = rm[:, None] * N + rn[None, :]
+        mine = ws_ptr + tl.program_id(1) * ((1 + GATED) * M * N)
+        tl.store(mine + tile, acc, mask=om)
+        if GATED:
+            tl.store(mine + M * N + tile, acc_up, mask=om)
+        tl.debug_barrier()  # every thread's stores issued before the release below
+        if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                part = ws_ptr + s * ((1 + GATED) * M * N)
+                acc += tl.load(part + tile, mask=om, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part + M * N + tile, mask=om, other=0.0,
+                                      cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid, 0)
+            _epilogue(acc, acc_up, ss, rm, rn, mask_m, mask_n, pid, out_ptr, bias_ptr,
+                      res_ptr, gn_ptr, scaled_ptr, ss_out_ptr, M, N, K, stride_om, stride_rm,
+                      eps, NORM or PRENORMED, GATED, HAS_BIAS, HAS_RES, EMIT)
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, kind[, split_k]) tried per shape on the GPU. Kinds:
+# - "fma": FMAs, which allow narrow column tiles (more programs in flight for tall-K layers);
+#   with several rows they hold BLOCK_M * BLOCK_N * BLOCK_K products, so K tiles shrink;
+# - "dot": tensor-core dots of the 16-row x tile against the weight tile (16 columns or more);
+# - "swap": the same dots with the operands swapped, out^T = W x^T: the weight tile is the
+#   wide operand, which on Hopper lets a 64-column tile feed a warpgroup MMA straight from
+#   shared memory; the prologue stays folded in, as with FMAs.
+# split_k: K is cut into that many parts, each a program of its own. Tensor-core tiles leave
+# few programs (4096 columns in 32-column tiles: 128, about one per SM on an H200), and each
+# has only its shared-memory pipeline in flight; more programs keep more of the weight in
+# flight. The last part to finish per column tile adds the parts up and runs the epilogue.
+Config = tuple  # (int, int, int, int, str) or with a sixth field, int
 FMA_MAX_ROWS = 8
-CONFIGS_ONE_ROW = ((4, 1024, 4, 3, True), (8, 512, 4, 3, True), (8, 1024, 4, 2, True),
-                   (16, 512, 4, 3, True), (16, 1024, 8, 2, True), (32, 256, 4, 4, True),
-                   (32, 512, 8, 3, True))
-CONFIGS_FMA_ROWS = ((4, 256, 4, 3, True), (8, 128, 4, 4, True), (16, 128, 8, 3, True))
-CONFIGS_DOT = ((16, 256, 4, 4, False), (32, 256, 4, 4, False), (32, 512, 8, 3, False),
-               (64, 256, 8, 3, False), (64, 128, 4, 4, False), (128, 128, 8, 3, False))
-CONFIGS_DOT_FOLD = ((32, 256, 4, 4, False, True), (64, 256, 8, 3, False, True),
-                    (64, 128, 4, 4, False, True), (128, 128, 8, 3, False, True))
+CONFIGS_ONE_ROW = ((4, 1024, 4, 3, "fma"), (8, 512, 4, 3, "fma"), (8, 1024, 4, 2, "fma"),
+                   (16, 512, 4, 3, "fma"), (16, 1024, 8, 2, "fma"), (32, 256, 4, 4, "fma"),
+                   (32, 512, 8, 3, "fma"))
+CONFIGS_FMA_ROWS = ((4, 256, 4, 3, "fma"), (8, 128, 4, 4, "fma"), (16, 128, 8, 3, "fma"))
+CONFIGS_DOT = ((16, 256, 4, 4, "dot"), (32, 256, 4, 4, "dot"), (32, 512, 8, 3, "dot"),
+               (64, 256, 8, 3, "dot"), (64, 128, 4, 4, "dot"), (128, 128, 8, 3, "dot"))
+CONFIGS_SWAP = ((64, 128, 4, 4, "swap"), (64, 256, 4, 3, "swap"), (64, 256, 4, 4, "swap"),
+                (64, 512, 4, 2, "swap"), (128, 128, 4, 4, "swap"), (128, 128, 8, 3, "swap"))
+CONFIGS_SPLIT = ((16, 256, 4, 4, "dot", 2), (32, 256, 4, 4, "dot", 2), (32, 256, 4, 4, "dot", 4),
+                 (128, 128, 8, 3, "dot", 2), (64, 256, 4, 3, "swap", 2),
+                 (64, 256, 4, 3, "swap", 4))
 _INTERPRET_CONFIG = (32, 64, 4, 1)
 # Rows from which a residual-writing matmul leaves the next norm's input (`residual_linear`).
 # From one row: the batch-1 decode step measured 4.12 ms against 4.14 with one-row steps
 # keeping the norm in their FMA loop, and 2-8-row steps 63-70 us faster than with the norm as
 # a kernel of its own (bench/results/gpu_verify_attn_h200_20261130_emit.json).
 EMIT_MIN_ROWS = 1
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _CHOSEN: dict[tuple, Config] = {}
 _RAN: dict[tuple, list[Config]] = {}  # per key, the configs that ran
 _SEEN: list[tuple] | None = None  # keys launched inside `recording_keys`
@@ -263,11 +325,15 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
         _SEEN.append(key)
 
     def launch(cfg: Config, o: torch.Tensor, r: torch.Tensor | None) -> ScaledRows | None:
-        bn, bk, warps, stages, fma, *fold = cfg
+        bn, bk, warps, stages, kind, *split = cfg
+        # K split in parts of whole tiles, none empty.
+        k_tiles = triton.cdiv(k, bk)
+        per_split = triton.cdiv(k_tiles, split[0] if split else 1)
+        splits = triton.cdiv(k_tiles, per_split)
         xin, g, silu = x, norm_weight, silu_mul
         if prenormed is not None:
             xin, g = prenormed.scaled, None
-        elif not fma and not any(fold) and (g is not None or silu):  # the prologue runs first
+        elif (kind == "dot" or splits > 1) and (g is not None or silu):  # the prologue first
             from verify_kernels.fused_ops import rms_norm
             from verify_kernels.fused_ops import silu_mul as silu_mul_
 
@@ -279,22 +345,27 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
             emitted = ScaledRows(torch.empty(m, n, dtype=o.dtype, device=o.device),
                                  torch.empty(grid, m, dtype=torch.float32, device=o.device))
         ss_in = prenormed.sumsq if prenormed is not None else weight
-        block_m = rows if fma else 16
+        block_m = rows if kind == "fma" else 16
         # All the partial sums in one tile, up to 4096 values (registers).
         block_p = min(triton.next_power_of_2(ss_in.shape[0]), max(64, 4096 // block_m))
-        _skinny_kernel[(grid,)](
+        ws, cnt = weight, weight
+        if splits > 1:
+            ws = torch.empty(splits, 2 if gated else 1, m, n, dtype=torch.float32,
+                             device=o.device)
+            cnt = _split_counters(o.device, grid)
+        _skinny_kernel[(grid, splits)](
             xin, weight, o, bias if bias is not None else weight, r if r is not None else o,
             g if g is not None else weight, ss_in,
             emit_norm if emitted else weight, emitted.scaled if emitted else o,
-            emitted.sumsq if emitted else weight,
-            m, n, k, ss_in.shape[0], xin.stride(0), weight.stride(0), o.stride(0),
+            emitted.sumsq if emitted else weight, ws, cnt,
+            m, n, k, ss_in.shape[0], per_split, xin.stride(0), weight.stride(0), o.stride(0),
             r.stride(0) if r is not None else 0, eps,
             NORM=g is not None, SILU_MUL=silu, GATED=gated, HAS_BIAS=bias is not None,
             HAS_RES=r is not None, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
-            EVEN=n % bn == 0 and k % bk == 0, FMA=fma,
+            EVEN=n % bn == 0 and k % bk == 0, FMA=kind == "fma", SWAP=kind == "swap",
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             PRENORMED=prenormed is not None, EMIT=emitted is not None,
-            BLOCK_P=block_p if prenormed is not None else 1,
+            BLOCK_P=block_p if prenormed is not None else 1, SPLIT_K=splits,
             num_warps=warps, num_stages=stages, **pdl_args(x.device))
         return emitted
 
@@ -303,8 +374,8 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
         configs = CONFIGS_ONE_ROW if m == 1 else CONFIGS_DOT
         if 1 < m <= FMA_MAX_ROWS:
             configs += CONFIGS_FMA_ROWS
-        if m > 1 and prenormed is None and (norm_weight is not None or silu_mul):
-            configs += CONFIGS_DOT_FOLD
+        if m > 1:
+            configs += CONFIGS_SWAP + CONFIGS_SPLIT
         ran = _tune(launch, configs, out, residual, x.device, m == 1)
         if ran is None:  # capturing a CUDA graph: no timing now, and nothing remembered
             cfg = configs[1]
@@ -314,15 +385,30 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
     return out, launch(cfg, out, residual)
 
 
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:  # [>= tiles] int32
+    """The per-column-tile arrival counters of split-K launches, shared by every launch on the
+    device (each leaves them zero; specdec runs its models on one stream). Made outside CUDA
+    graph capture: the first launch of a split config is always a tuning run."""
+    cnt = _COUNTERS.get(device)
+    if cnt is None or cnt.numel() < tiles:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+            "split counters made in a capture"
+        cnt = torch.zeros(max(tiles, 16384), dtype=torch.int32, device=device)
+        _COUNTERS[device] = cnt
+    return cnt
+
+
 def _tune(launch, configs, out: torch.Tensor, residual: torch.Tensor | None,
-          device: torch.device, fma: bool) -> list[Config] | None:
+          device: torch.device, one_row: bool) -> list[Config] | None:
     """The configs that ran, fastest first, timed on scratch outputs (the residual must not
     accumulate); None while a CUDA graph is being captured. Off the GPU: one small tile, FMAs
-    at one row, dots past it."""
+    at one row, dots past it. With SPECDEC_SKINNY_TUNE=0, all of them untimed, in order."""
     if _interpreting() or device.type != "cuda":
-        return [(*_INTERPRET_CONFIG, fma)]
+        return [(*_INTERPRET_CONFIG, "fma" if one_row else "dot")]
     if torch.cuda.is_current_stream_capturing():
         return None
+    if os.environ.get("SPECDEC_SKINNY_TUNE", "1") == "0":  # kernel tests: no timing compiles
+        return list(configs)
     from triton.testing import do_bench
 
     scratch = torch.empty_like(out)
