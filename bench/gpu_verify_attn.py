@@ -8,7 +8,7 @@ two-launch path it replaces (rope_write_kv, then the general paged attention), s
 2. The runner (Llama-3.1-8B shape, random weights, bf16): the batch-1 verification cost curve
    (time of a Q-row step over a 1-row decode step) under alternated settings (RUNNER_MODES:
    from how many rows the norm hand-off runs, up to how many rows the tree kernel fuses,
-   whether few-row matmuls may take swapped-dot and split-K tiles); then the GPU time of each
+   whether dot tiles read x in the model dtype); then the GPU time of each
    kernel (and of each layer matmul) in 1-, 2-, 4- and 8-row steps under the last setting
    (torch.profiler).
 
@@ -120,9 +120,10 @@ def kernel_times(engine, segs, steps: int = 20) -> dict:
 
 
 # name: (rows from which residual-writing matmuls leave the next norm's input, most rows the
-# tree kernel fuses, whether few-row matmuls may take swapped-dot tiles, and split-K tiles).
-# Earlier runs: gpu_verify_attn_h200_20261130_emit.json (norm hand-off), _swap.json.
-RUNNER_MODES = {"nosplit_tree4": (1, 4, True, False), "split_tree4": (1, 4, True, True)}
+# tree kernel fuses, whether dot tiles read x in the model dtype). Earlier runs:
+# gpu_verify_attn_h200_20261130_emit.json (norm hand-off), _swap.json (swapped-dot tiles),
+# _split.json (split-K tiles).
+RUNNER_MODES = {"x_float32": (1, 4, False), "x_native": (1, 4, True)}
 SKINNY_ROLES = ("qkv", "o_proj", "gate_up", "down")  # per layer, in launch order; then LM head
 
 
@@ -142,14 +143,12 @@ def runner_ab(out: dict) -> None:
                              num_blocks=2600)
     engine.runner.kv.normal_()
     runner = engine.runner
-    swap_configs, split_configs = skinny_gemm.CONFIGS_SWAP, skinny_gemm.CONFIGS_SPLIT
-    tunings: dict[tuple, tuple] = {}  # per tile choice: (chosen, ran, graph-tuned keys)
+    tunings: dict[bool, tuple] = {}  # per x dtype: (chosen, ran, graph-tuned keys)
     res = []
     for mode in list(RUNNER_MODES) * 2:
-        skinny_gemm.EMIT_MIN_ROWS, tree.MAX_Q, swap, split = RUNNER_MODES[mode]
-        skinny_gemm.CONFIGS_SWAP = swap_configs if swap else ()
-        skinny_gemm.CONFIGS_SPLIT = split_configs if split else ()
-        state = tunings.setdefault((swap, split), ({}, {}, set()))
+        skinny_gemm.EMIT_MIN_ROWS, tree.MAX_Q, native = RUNNER_MODES[mode]
+        skinny_gemm.DOT_X_NATIVE = native
+        state = tunings.setdefault(native, ({}, {}, set()))
         skinny_gemm._CHOSEN, skinny_gemm._RAN, runner.graphs._tuned_keys = state
         runner.graphs.graphs.clear()  # recaptured with this path
         runner.graphs.splits.clear()

@@ -259,42 +259,6 @@ def test_residual_linear_leaves_the_next_norm_input(m, gated, forced):
     torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
 
 
-@pytest.mark.parametrize("m", [2, 16])
-@pytest.mark.parametrize("kind", ["dot", "swap"])
-@pytest.mark.parametrize("gated", [False, True])
-def test_split_k(m, kind, gated):
-    """Split-K tiles: the parts' sums add up to the reference through every epilogue (residual
-    and the norm hand-off, rstd and the gated activation after it, an in-loop norm that then
-    runs first as a kernel), and every arrival counter is back at zero afterwards."""
-    from verify_kernels import skinny_gemm
-
-    g = torch.Generator().manual_seed(5 * m + gated)
-    k, hidden, n = 96, 300, 72
-    x = torch.randn(m, k, generator=g).to(DEV, DT)
-    w_o = (torch.randn(hidden, k, generator=g) / k ** 0.5).to(DEV, DT)
-    res = torch.randn(m, hidden, generator=g).to(DEV, DT)
-    norm = (torch.rand(hidden, generator=g) + 0.5).to(DEV, DT)
-    w = (torch.randn(2 * n if gated else n, hidden, generator=g) / hidden ** 0.5).to(DEV, DT)
-    res_ref = skinny_linear_ref(x, w_o, residual=res)
-    ref = skinny_linear_ref(res_ref, w, norm_weight=norm, eps=1e-5, gated=gated)
-    with skinny_gemm.recording_keys() as keys:
-        r = res.clone()
-        scaled = residual_linear(x, w_o, None, r, norm)
-        fused_linear(r, w, norm_weight=norm, eps=1e-5, gated=gated, prenormed=scaled)
-        fused_linear(r, w, norm_weight=norm, eps=1e-5, gated=gated)
-    skinny_gemm.set_config(keys[0], (32, 32, 4, 1, kind, 3))  # K 96: three parts of one tile
-    for key in keys[1:]:
-        skinny_gemm.set_config(key, (64, 64, 4, 1, kind, 2))  # K 300: 3 tiles, then 2
-    r = res.clone()
-    scaled = residual_linear(x, w_o, None, r, norm)
-    out = fused_linear(r, w, norm_weight=norm, eps=1e-5, gated=gated, prenormed=scaled)
-    unfolded = fused_linear(r, w, norm_weight=norm, eps=1e-5, gated=gated)
-    torch.testing.assert_close(r.float(), res_ref.float(), **MM_TOL)
-    torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
-    torch.testing.assert_close(unfolded.float(), ref.float(), **MM_TOL)
-    assert not skinny_gemm._COUNTERS[r.device].any()
-
-
 @pytest.mark.skipif(DEV == "cuda", reason="the CPU model check runs under the interpreter")
 def test_fused_triton_path_speculation_equals_plain(tiny_llama, tiny_draft, monkeypatch):
     """The GPU's model path (fused matmuls; rotary, KV write and attention in one kernel for

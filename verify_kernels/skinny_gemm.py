@@ -72,7 +72,7 @@ def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, FMA: tl.constexpr, SWAP: tl.co
 def _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K,
            NORM: tl.constexpr, SILU_MUL: tl.constexpr, GATED: tl.constexpr,
            BLOCK_M: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr,
-           DOT_PRECISION: tl.constexpr):
+           DOT_PRECISION: tl.constexpr, X_NATIVE: tl.constexpr):
     """One K tile: load x (with its prologue) and accumulate against the loaded weights."""
     mask_k = ks < K
     xm = mask_m[:, None] & mask_k[None, :]
@@ -81,7 +81,9 @@ def _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K,
         up = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
         x = gate / (1.0 + tl.exp(-gate)) * up  # [BLOCK_M, BLOCK_K]
     else:
-        x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+        x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
+        if not (X_NATIVE and not NORM and not FMA and BLOCK_M > 1):
+            x = x.to(tl.float32)
     if NORM:
         ss += tl.sum(x * x, axis=1)
         g = tl.load(g_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
@@ -134,20 +136,16 @@ def _skinny_kernel(
     gn_ptr,  # [N] the next norm's weight (with EMIT)
     scaled_ptr,  # [M, N] out * gn, that norm's input for the next matmul (with EMIT)
     ss_out_ptr,  # [cdiv(N, BLOCK_N), M] float32: each column tile's sums of squares (EMIT)
-    ws_ptr,  # [SPLIT_K, 1 + GATED, M, N] float32 partial sums (SPLIT_K > 1)
-    cnt_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero between launches (SPLIT_K > 1)
-    M, N, K, P_in, TILES_PER_SPLIT,
+    M, N, K, P_in,
     stride_xm, stride_wn, stride_om, stride_rm,
     eps,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr, PRENORMED: tl.constexpr, EMIT: tl.constexpr, BLOCK_P: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    X_NATIVE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    k_lo = tl.program_id(1) * TILES_PER_SPLIT * BLOCK_K
-    k_hi = tl.minimum(K, k_lo + TILES_PER_SPLIT * BLOCK_K)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -164,11 +162,10 @@ def _skinny_kernel(
     x_rows = x_ptr + rm[:, None] * stride_xm
     # The first weight tile does not depend on the kernel before this one: under PDL it is
     # in flight while that kernel finishes (verify_kernels/pdl.py).
-    ks = k_lo + rk
-    w = _load_rows(w_rows, ks, mask_n, ks < K, EVEN)  # [BLOCK_N, BLOCK_K]
+    w = _load_rows(w_rows, rk, mask_n, rk < K, EVEN)  # [BLOCK_N, BLOCK_K]
     w_up = w
     if GATED:
-        w_up = _load_rows(w_rows + N * stride_wn, ks, mask_n, ks < K, EVEN)
+        w_up = _load_rows(w_rows + N * stride_wn, rk, mask_n, rk < K, EVEN)
     pdl_wait_release(USE_PDL)
     if PRENORMED:  # x is already x * g; rstd comes from the producer's partial sums
         for p0 in range(0, P_in, BLOCK_P):  # one pass when BLOCK_P covers them: no latency
@@ -176,61 +173,35 @@ def _skinny_kernel(
             part = tl.load(ss_in_ptr + ps[:, None] * M + rm[None, :],
                            mask=(ps < P_in)[:, None] & mask_m[None, :], other=0.0)
             ss += tl.sum(part, axis=0)
-    acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K, NORM,
-                             SILU_MUL, GATED, BLOCK_M, FMA, SWAP, DOT_PRECISION)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+    acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, rk, mask_m, K, NORM,
+                             SILU_MUL, GATED, BLOCK_M, FMA, SWAP, DOT_PRECISION, X_NATIVE)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + rk
         w = _load_rows(w_rows, ks, mask_n, ks < K, EVEN)
         w_up = w
         if GATED:
             w_up = _load_rows(w_rows + N * stride_wn, ks, mask_n, ks < K, EVEN)
         acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K, NORM,
-                                 SILU_MUL, GATED, BLOCK_M, FMA, SWAP, DOT_PRECISION)
+                                 SILU_MUL, GATED, BLOCK_M, FMA, SWAP, DOT_PRECISION, X_NATIVE)
     if SWAP:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
-    if SPLIT_K == 1:
-        _epilogue(acc, acc_up, ss, rm, rn, mask_m, mask_n, pid, out_ptr, bias_ptr, res_ptr,
-                  gn_ptr, scaled_ptr, ss_out_ptr, M, N, K, stride_om, stride_rm, eps,
-                  NORM or PRENORMED, GATED, HAS_BIAS, HAS_RES, EMIT)
-    else:
-        # Each split leaves its sums in the workspace; the one that finishes last per column
-        # tile adds them up in split order (the same result whichever that is), resets the
-        # tile's counter and runs the epilogue.
-        om = mask_m[:, None] & mask_n[None, :]
-        tile = rm[:, None] * N + rn[None, :]
-        mine = ws_ptr + tl.program_id(1) * ((1 + GATED) * M * N)
-        tl.store(mine + tile, acc, mask=om)
-        if GATED:
-            tl.store(mine + M * N + tile, acc_up, mask=om)
-        tl.debug_barrier()  # every thread's stores issued before the release below
-        if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                part = ws_ptr + s * ((1 + GATED) * M * N)
-                acc += tl.load(part + tile, mask=om, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    acc_up += tl.load(part + M * N + tile, mask=om, other=0.0,
-                                      cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + pid, 0)
-            _epilogue(acc, acc_up, ss, rm, rn, mask_m, mask_n, pid, out_ptr, bias_ptr,
-                      res_ptr, gn_ptr, scaled_ptr, ss_out_ptr, M, N, K, stride_om, stride_rm,
-                      eps, NORM or PRENORMED, GATED, HAS_BIAS, HAS_RES, EMIT)
+    _epilogue(acc, acc_up, ss, rm, rn, mask_m, mask_n, pid, out_ptr, bias_ptr, res_ptr, gn_ptr,
+              scaled_ptr, ss_out_ptr, M, N, K, stride_om, stride_rm, eps, NORM or PRENORMED,
+              GATED, HAS_BIAS, HAS_RES, EMIT)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, kind[, split_k]) tried per shape on the GPU. Kinds:
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, kind) tried per shape on the GPU. Kinds:
 # - "fma": FMAs, which allow narrow column tiles (more programs in flight for tall-K layers);
 #   with several rows they hold BLOCK_M * BLOCK_N * BLOCK_K products, so K tiles shrink;
 # - "dot": tensor-core dots of the 16-row x tile against the weight tile (16 columns or more);
 # - "swap": the same dots with the operands swapped, out^T = W x^T: the weight tile is the
 #   wide operand, which on Hopper lets a 64-column tile feed a warpgroup MMA straight from
 #   shared memory; the prologue stays folded in, as with FMAs.
-# split_k: K is cut into that many parts, each a program of its own. Tensor-core tiles leave
-# few programs (4096 columns in 32-column tiles: 128, about one per SM on an H200), and each
-# has only its shared-memory pipeline in flight; more programs keep more of the weight in
-# flight. The last part to finish per column tile adds the parts up and runs the epilogue.
-Config = tuple  # (int, int, int, int, str) or with a sixth field, int
+# Split-K tiles (K in 2 or 4 parts, the last part per column tile adding them up) were tried
+# and not kept: the tuner picked them for one 4-row shape only, and steps were no faster
+# (bench/results/gpu_verify_attn_h200_20261130_split.json).
+Config = tuple  # (int, int, int, int, str)
 FMA_MAX_ROWS = 8
 CONFIGS_ONE_ROW = ((4, 1024, 4, 3, "fma"), (8, 512, 4, 3, "fma"), (8, 1024, 4, 2, "fma"),
                    (16, 512, 4, 3, "fma"), (16, 1024, 8, 2, "fma"), (32, 256, 4, 4, "fma"),
@@ -240,16 +211,15 @@ CONFIGS_DOT = ((16, 256, 4, 4, "dot"), (32, 256, 4, 4, "dot"), (32, 512, 8, 3, "
                (64, 256, 8, 3, "dot"), (64, 128, 4, 4, "dot"), (128, 128, 8, 3, "dot"))
 CONFIGS_SWAP = ((64, 128, 4, 4, "swap"), (64, 256, 4, 3, "swap"), (64, 256, 4, 4, "swap"),
                 (64, 512, 4, 2, "swap"), (128, 128, 4, 4, "swap"), (128, 128, 8, 3, "swap"))
-CONFIGS_SPLIT = ((16, 256, 4, 4, "dot", 2), (32, 256, 4, 4, "dot", 2), (32, 256, 4, 4, "dot", 4),
-                 (128, 128, 8, 3, "dot", 2), (64, 256, 4, 3, "swap", 2),
-                 (64, 256, 4, 3, "swap", 4))
 _INTERPRET_CONFIG = (32, 64, 4, 1)
 # Rows from which a residual-writing matmul leaves the next norm's input (`residual_linear`).
 # From one row: the batch-1 decode step measured 4.12 ms against 4.14 with one-row steps
 # keeping the norm in their FMA loop, and 2-8-row steps 63-70 us faster than with the norm as
 # a kernel of its own (bench/results/gpu_verify_attn_h200_20261130_emit.json).
 EMIT_MIN_ROWS = 1
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Dot tiles read x in the model dtype, straight into the MMA, when nothing is folded into it
+# (False: through float32 as the FMA path reads it; for A/B runs).
+DOT_X_NATIVE = True
 _CHOSEN: dict[tuple, Config] = {}
 _RAN: dict[tuple, list[Config]] = {}  # per key, the configs that ran
 _SEEN: list[tuple] | None = None  # keys launched inside `recording_keys`
@@ -325,15 +295,11 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
         _SEEN.append(key)
 
     def launch(cfg: Config, o: torch.Tensor, r: torch.Tensor | None) -> ScaledRows | None:
-        bn, bk, warps, stages, kind, *split = cfg
-        # K split in parts of whole tiles, none empty.
-        k_tiles = triton.cdiv(k, bk)
-        per_split = triton.cdiv(k_tiles, split[0] if split else 1)
-        splits = triton.cdiv(k_tiles, per_split)
+        bn, bk, warps, stages, kind = cfg
         xin, g, silu = x, norm_weight, silu_mul
         if prenormed is not None:
             xin, g = prenormed.scaled, None
-        elif (kind == "dot" or splits > 1) and (g is not None or silu):  # the prologue first
+        elif kind == "dot" and (g is not None or silu):  # the prologue runs first
             from verify_kernels.fused_ops import rms_norm
             from verify_kernels.fused_ops import silu_mul as silu_mul_
 
@@ -348,24 +314,19 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
         block_m = rows if kind == "fma" else 16
         # All the partial sums in one tile, up to 4096 values (registers).
         block_p = min(triton.next_power_of_2(ss_in.shape[0]), max(64, 4096 // block_m))
-        ws, cnt = weight, weight
-        if splits > 1:
-            ws = torch.empty(splits, 2 if gated else 1, m, n, dtype=torch.float32,
-                             device=o.device)
-            cnt = _split_counters(o.device, grid)
-        _skinny_kernel[(grid, splits)](
+        _skinny_kernel[(grid,)](
             xin, weight, o, bias if bias is not None else weight, r if r is not None else o,
             g if g is not None else weight, ss_in,
             emit_norm if emitted else weight, emitted.scaled if emitted else o,
-            emitted.sumsq if emitted else weight, ws, cnt,
-            m, n, k, ss_in.shape[0], per_split, xin.stride(0), weight.stride(0), o.stride(0),
+            emitted.sumsq if emitted else weight,
+            m, n, k, ss_in.shape[0], xin.stride(0), weight.stride(0), o.stride(0),
             r.stride(0) if r is not None else 0, eps,
             NORM=g is not None, SILU_MUL=silu, GATED=gated, HAS_BIAS=bias is not None,
             HAS_RES=r is not None, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
             EVEN=n % bn == 0 and k % bk == 0, FMA=kind == "fma", SWAP=kind == "swap",
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             PRENORMED=prenormed is not None, EMIT=emitted is not None,
-            BLOCK_P=block_p if prenormed is not None else 1, SPLIT_K=splits,
+            BLOCK_P=block_p if prenormed is not None else 1, X_NATIVE=DOT_X_NATIVE,
             num_warps=warps, num_stages=stages, **pdl_args(x.device))
         return emitted
 
@@ -375,7 +336,7 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
         if 1 < m <= FMA_MAX_ROWS:
             configs += CONFIGS_FMA_ROWS
         if m > 1:
-            configs += CONFIGS_SWAP + CONFIGS_SPLIT
+            configs += CONFIGS_SWAP
         ran = _tune(launch, configs, out, residual, x.device, m == 1)
         if ran is None:  # capturing a CUDA graph: no timing now, and nothing remembered
             cfg = configs[1]
@@ -383,19 +344,6 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
             cfg, _RAN[key] = ran[0], ran
             _CHOSEN[key] = cfg
     return out, launch(cfg, out, residual)
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:  # [>= tiles] int32
-    """The per-column-tile arrival counters of split-K launches, shared by every launch on the
-    device (each leaves them zero; specdec runs its models on one stream). Made outside CUDA
-    graph capture: the first launch of a split config is always a tuning run."""
-    cnt = _COUNTERS.get(device)
-    if cnt is None or cnt.numel() < tiles:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "split counters made in a capture"
-        cnt = torch.zeros(max(tiles, 16384), dtype=torch.int32, device=device)
-        _COUNTERS[device] = cnt
-    return cnt
 
 
 def _tune(launch, configs, out: torch.Tensor, residual: torch.Tensor | None,
