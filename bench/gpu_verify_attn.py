@@ -7,10 +7,9 @@ two-launch path it replaces (rope_write_kv, then the general paged attention), s
    layer, over split counts and warp counts.
 2. The runner (Llama-3.1-8B shape, random weights, bf16): the batch-1 verification cost curve
    (time of a Q-row step over a 1-row decode step) under alternated settings (RUNNER_MODES:
-   from how many rows the norm hand-off runs, up to how many rows the tree kernel fuses,
-   whether dot tiles read x in the model dtype); then the GPU time of each
-   kernel (and of each layer matmul) in 1-, 2-, 4- and 8-row steps under the last setting
-   (torch.profiler).
+   from how many rows the norm hand-off runs, up to how many rows the tree kernel fuses); then
+   the GPU time of each kernel (and of each layer matmul) in 1-, 2-, 4- and 8-row steps under
+   the last setting (torch.profiler).
 
     PYTHONPATH=. python3 bench/gpu_verify_attn.py --out DIR   (writes DIR/gpu_verify_attn.json)
 """
@@ -120,19 +119,19 @@ def kernel_times(engine, segs, steps: int = 20) -> dict:
 
 
 # name: (rows from which residual-writing matmuls leave the next norm's input, most rows the
-# tree kernel fuses, whether dot tiles read x in the model dtype). Earlier runs:
-# gpu_verify_attn_h200_20261130_emit.json (norm hand-off), _swap.json (swapped-dot tiles),
-# _split.json (split-K tiles).
-RUNNER_MODES = {"x_float32": (1, 4, False), "x_native": (1, 4, True)}
+# tree kernel fuses); 17: never (the norm runs as a kernel before multi-row dot matmuls).
+# Earlier runs: gpu_verify_attn_h200_20261130_emit.json (norm hand-off from 1 or 2 rows, tree
+# kernel up to 4 or 8 rows), _swap.json (swapped-dot tiles), _split.json (split-K tiles),
+# _xnative.json (dot tiles reading x in bf16 or through float32: the same).
+RUNNER_MODES = {"norm_kernels": (17, 4), "norm_handoff": (1, 4)}
 SKINNY_ROLES = ("qkv", "o_proj", "gate_up", "down")  # per layer, in launch order; then LM head
 
 
 def runner_ab(out: dict) -> None:
-    """Batch-1 cost curve under each of RUNNER_MODES, alternated twice (each tile choice tuned
-    once, on its first visit); then per-kernel GPU times under the last mode and the tiles it
-    chose. (The LM head inside 2- to 8-row graphs measured no faster:
-    gpu_verify_attn_h200_20261130_b.json; two launches instead of the tree kernel slower at 2
-    and 4 rows: _c.json.)"""
+    """Batch-1 cost curve under each of RUNNER_MODES, alternated twice; then per-kernel GPU
+    times under the last mode and the tiles it chose. (The LM head inside 2- to 8-row graphs
+    measured no faster: gpu_verify_attn_h200_20261130_b.json; two launches instead of the tree
+    kernel slower at 2 and 4 rows: _c.json.)"""
     import gc
 
     from verify_kernels import skinny_gemm
@@ -143,13 +142,9 @@ def runner_ab(out: dict) -> None:
                              num_blocks=2600)
     engine.runner.kv.normal_()
     runner = engine.runner
-    tunings: dict[bool, tuple] = {}  # per x dtype: (chosen, ran, graph-tuned keys)
     res = []
     for mode in list(RUNNER_MODES) * 2:
-        skinny_gemm.EMIT_MIN_ROWS, tree.MAX_Q, native = RUNNER_MODES[mode]
-        skinny_gemm.DOT_X_NATIVE = native
-        state = tunings.setdefault(native, ({}, {}, set()))
-        skinny_gemm._CHOSEN, skinny_gemm._RAN, runner.graphs._tuned_keys = state
+        skinny_gemm.EMIT_MIN_ROWS, tree.MAX_Q = RUNNER_MODES[mode]
         runner.graphs.graphs.clear()  # recaptured with this path
         runner.graphs.splits.clear()
         torch.cuda.synchronize()

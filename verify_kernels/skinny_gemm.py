@@ -72,7 +72,7 @@ def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, FMA: tl.constexpr, SWAP: tl.co
 def _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K,
            NORM: tl.constexpr, SILU_MUL: tl.constexpr, GATED: tl.constexpr,
            BLOCK_M: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr,
-           DOT_PRECISION: tl.constexpr, X_NATIVE: tl.constexpr):
+           DOT_PRECISION: tl.constexpr):
     """One K tile: load x (with its prologue) and accumulate against the loaded weights."""
     mask_k = ks < K
     xm = mask_m[:, None] & mask_k[None, :]
@@ -82,7 +82,7 @@ def _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K,
         x = gate / (1.0 + tl.exp(-gate)) * up  # [BLOCK_M, BLOCK_K]
     else:
         x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
-        if not (X_NATIVE and not NORM and not FMA and BLOCK_M > 1):
+        if NORM or FMA or BLOCK_M == 1:  # dot tiles take x in the model dtype as it is
             x = x.to(tl.float32)
     if NORM:
         ss += tl.sum(x * x, axis=1)
@@ -143,7 +143,6 @@ def _skinny_kernel(
     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr, PRENORMED: tl.constexpr, EMIT: tl.constexpr, BLOCK_P: tl.constexpr,
-    X_NATIVE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -174,7 +173,7 @@ def _skinny_kernel(
                            mask=(ps < P_in)[:, None] & mask_m[None, :], other=0.0)
             ss += tl.sum(part, axis=0)
     acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, rk, mask_m, K, NORM,
-                             SILU_MUL, GATED, BLOCK_M, FMA, SWAP, DOT_PRECISION, X_NATIVE)
+                             SILU_MUL, GATED, BLOCK_M, FMA, SWAP, DOT_PRECISION)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + rk
         w = _load_rows(w_rows, ks, mask_n, ks < K, EVEN)
@@ -182,7 +181,7 @@ def _skinny_kernel(
         if GATED:
             w_up = _load_rows(w_rows + N * stride_wn, ks, mask_n, ks < K, EVEN)
         acc, acc_up, ss = _chunk(acc, acc_up, ss, w, w_up, x_rows, g_ptr, ks, mask_m, K, NORM,
-                                 SILU_MUL, GATED, BLOCK_M, FMA, SWAP, DOT_PRECISION, X_NATIVE)
+                                 SILU_MUL, GATED, BLOCK_M, FMA, SWAP, DOT_PRECISION)
     if SWAP:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
@@ -217,9 +216,6 @@ _INTERPRET_CONFIG = (32, 64, 4, 1)
 # keeping the norm in their FMA loop, and 2-8-row steps 63-70 us faster than with the norm as
 # a kernel of its own (bench/results/gpu_verify_attn_h200_20261130_emit.json).
 EMIT_MIN_ROWS = 1
-# Dot tiles read x in the model dtype, straight into the MMA, when nothing is folded into it
-# (False: through float32 as the FMA path reads it; for A/B runs).
-DOT_X_NATIVE = True
 _CHOSEN: dict[tuple, Config] = {}
 _RAN: dict[tuple, list[Config]] = {}  # per key, the configs that ran
 _SEEN: list[tuple] | None = None  # keys launched inside `recording_keys`
@@ -326,7 +322,7 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
             EVEN=n % bn == 0 and k % bk == 0, FMA=kind == "fma", SWAP=kind == "swap",
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             PRENORMED=prenormed is not None, EMIT=emitted is not None,
-            BLOCK_P=block_p if prenormed is not None else 1, X_NATIVE=DOT_X_NATIVE,
+            BLOCK_P=block_p if prenormed is not None else 1,
             num_warps=warps, num_stages=stages, **pdl_args(x.device))
         return emitted
 
