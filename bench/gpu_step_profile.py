@@ -29,7 +29,8 @@ import gpu_setup as gs
 def linear_bench(out: dict) -> None:
     from triton.testing import do_bench
 
-    from verify_kernels.skinny_gemm import chosen_configs, skinny_linear
+    from verify_kernels.skinny_gemm import skinny_linear
+    from verify_kernels.skinny_tiles import chosen_configs
 
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
               "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -96,7 +97,7 @@ def graphed(engine, rows: int) -> float:
 
 
 def step_profile(out: dict) -> None:
-    from verify_kernels import skinny_gemm
+    from verify_kernels import skinny_tiles
 
     tmp = Path(tempfile.mkdtemp())
     engine = gs.build_engine(gs.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton", 600)
@@ -111,13 +112,12 @@ def step_profile(out: dict) -> None:
         gs.log(f"graphed step, {rows} rows (runner.execute): "
                f"{out[f'graph_step_ms_rows_{rows}']:.3f} ms")
     out["graph_tuning"] = {str(k): v for k, v in gr.tuned.items()}
-    out["skinny_configs"] = {str(k): v for k, v in skinny_gemm.chosen_configs().items()}
+    out["skinny_configs"] = {str(k): v for k, v in skinny_tiles.chosen_configs().items()}
     gs.log(f"in-graph tile tuning: {gr.tuned}")
     # How much the tile choice moves from one tuning to the next: forget every choice, tune
     # again (alone, then in the graph), time again.
     for trial in range(1):
-        skinny_gemm._CHOSEN.clear()
-        skinny_gemm._RAN.clear()
+        skinny_tiles.forget()
         gr._tuned_keys.clear()
         for rows in (1, 8):
             out.setdefault(f"retuned_graph_step_ms_rows_{rows}", []).append(graphed(engine, rows))

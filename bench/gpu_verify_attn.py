@@ -134,7 +134,7 @@ def runner_ab(out: dict) -> None:
     kernel slower at 2 and 4 rows: _c.json.)"""
     import gc
 
-    from verify_kernels import skinny_gemm
+    from verify_kernels import skinny_gemm, skinny_tiles
     from verify_kernels import tree_attention as tree
 
     tmp = Path(tempfile.mkdtemp())
@@ -161,7 +161,7 @@ def runner_ab(out: dict) -> None:
         gs.log(json.dumps(row))
         res.append(row)
     out["runner_ab_b1"] = res
-    out["skinny_configs_last_mode"] = {str(k): v for k, v in skinny_gemm.chosen_configs().items()}
+    out["skinny_configs_last_mode"] = {str(k): v for k, v in skinny_tiles.chosen_configs().items()}
     out["kernel_times_b1"] = {
         str(n): kernel_times(engine, gs.step_segments(engine, 1, n, gs.CTX))
         for n in (1, 2, 4, 8)}

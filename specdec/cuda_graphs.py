@@ -325,12 +325,12 @@ class GraphRunner:
         return hidden, self.model.compute_logits(hidden) if lay.q == 1 else None
 
     def _capture(self, lay: Layout) -> None:
-        from verify_kernels import skinny_gemm
+        from verify_kernels import skinny_tiles
 
         # The staged inputs are the current step's, so the warm-up (which compiles the kernels)
         # and every timed replay write the same KV slots that the step's own replay then
         # writes last: the step stays exact.
-        with skinny_gemm.recording_keys() as keys:
+        with skinny_tiles.recording_keys() as keys:
             self._forward(lay)
         keys = [k for k in keys if k not in self._tuned_keys]
         graph, outs = self._graph(lay)
@@ -378,22 +378,22 @@ class GraphRunner:
 
     def _tune_in_graph(self, lay: Layout, keys: list[tuple], graph: torch.cuda.CUDAGraph,
                        outs: Outputs) -> tuple[torch.cuda.CUDAGraph, Outputs]:
-        from verify_kernels import skinny_gemm
+        from verify_kernels import skinny_tiles
 
         first = best = self._replay_ms(graph)
         trials = 0
         for key in keys:
-            kept = skinny_gemm.config_of(key)
-            for cfg in skinny_gemm.candidates(key):
+            kept = skinny_tiles.config_of(key)
+            for cfg in skinny_tiles.candidates(key):
                 if cfg == kept:
                     continue
-                skinny_gemm.set_config(key, cfg)
+                skinny_tiles.set_config(key, cfg)
                 g, o = self._graph(lay)
                 t = self._replay_ms(g)
                 trials += 1
                 if t < best * 0.997:  # past replay noise
                     best, kept, graph, outs = t, cfg, g, o
-            skinny_gemm.set_config(key, kept)
+            skinny_tiles.set_config(key, kept)
             self._tuned_keys.add(key)
         self.tuned.setdefault((lay.batch, lay.q), {}).update(
             {"step_ms_alone_tuned": first, "step_ms": best, "trials": trials})

@@ -109,9 +109,9 @@ def test_skinny_linear(m, n, k, prologue, epilogue):
 def test_gated_linear(m, norm, bias, fma):
     """silu(gate) * up as the epilogue of a [2N, K] gate_up weight (cuBLAS and silu_mul past
     16 rows); the several-row FMA path when `fma`."""
-    from verify_kernels import skinny_gemm
+    from verify_kernels import skinny_tiles
 
-    if fma and not 1 < m <= skinny_gemm.FMA_MAX_ROWS:
+    if fma and not 1 < m <= skinny_tiles.FMA_MAX_ROWS:
         pytest.skip("the FMA candidate serves 2..8 rows")
     g = torch.Generator().manual_seed(7 * m + norm + 2 * bias)
     n, k = 72, 96
@@ -123,9 +123,9 @@ def test_gated_linear(m, norm, bias, fma):
     b = torch.randn(2 * n, generator=g).to(DEV, DT) if bias else None
     ref = skinny_linear_ref(x, w, b, **kw)
     if fma:
-        with skinny_gemm.recording_keys() as keys:
+        with skinny_tiles.recording_keys() as keys:
             skinny_linear(x, w, b, **kw)
-        skinny_gemm.set_config(keys[0], (16, 32, 4, 1, "fma"))
+        skinny_tiles.set_config(keys[0], (16, 32, 4, 1, "fma"))
     out = fused_linear(x, w, b, **kw)
     assert out.shape == (m, n)
     torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
@@ -177,19 +177,19 @@ def test_fused_model_equals_eager(tiny_llama, rows, backend, monkeypatch):
 def test_skinny_tile_choice_hooks():
     """What the graph runner's in-graph tuning relies on: keys of the calls made inside
     `recording_keys`, in order and once each, with the configs that ran for them."""
-    from verify_kernels import skinny_gemm
+    from verify_kernels import skinny_tiles
 
     w1, w2 = torch.randn(48, 64).to(DEV, DT), torch.randn(40, 48).to(DEV, DT)
     x = torch.randn(3, 64).to(DEV, DT)
-    with skinny_gemm.recording_keys() as keys:
+    with skinny_tiles.recording_keys() as keys:
         y = skinny_linear(x, w1)
         skinny_linear(y, w2)
         skinny_linear(x, w1)
     assert len(keys) == 2 and keys[0][:3] == (4, 48, 64) and keys[1][:3] == (4, 40, 48)
-    cands = skinny_gemm.candidates(keys[0])
-    assert cands and skinny_gemm.config_of(keys[0]) == cands[0]
-    skinny_gemm.set_config(keys[0], cands[-1])
-    assert skinny_gemm.config_of(keys[0]) == cands[-1]
+    cands = skinny_tiles.candidates(keys[0])
+    assert cands and skinny_tiles.config_of(keys[0]) == cands[0]
+    skinny_tiles.set_config(keys[0], cands[-1])
+    assert skinny_tiles.config_of(keys[0]) == cands[-1]
     tol = {"atol": 3e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {}
     torch.testing.assert_close(skinny_linear(x, w1), skinny_linear_ref(x, w1), **tol)
 
@@ -200,7 +200,7 @@ def test_skinny_candidates_fold_the_prologue(m, prologue):
     """The several-row FMA candidate and the swapped dot candidate, each with the prologue in
     its loop (norm or SiLU-and-multiply folded in, residual in place), against the reference,
     forced through set_config as the tuner would pick them."""
-    from verify_kernels import skinny_gemm
+    from verify_kernels import skinny_tiles
 
     g = torch.Generator().manual_seed(m)
     n, k = 40, 96
@@ -210,11 +210,11 @@ def test_skinny_candidates_fold_the_prologue(m, prologue):
     kw = ({"norm_weight": (torch.rand(k, generator=g) + 0.5).to(DEV, DT)}
           if prologue == "norm" else {"silu_mul": True})
     ref = skinny_linear_ref(x, w, residual=res, **kw)
-    with skinny_gemm.recording_keys() as keys:
+    with skinny_tiles.recording_keys() as keys:
         skinny_linear(x, w, residual=res.clone(), **kw)  # records (and tunes) the key
     tol = {"atol": 3e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
     for cfg in ((16, 32, 4, 1, "fma"), (64, 32, 4, 1, "swap")):  # the prologue in the loop
-        skinny_gemm.set_config(keys[0], cfg)
+        skinny_tiles.set_config(keys[0], cfg)
         out = skinny_linear(x, w, residual=res.clone(), **kw)
         torch.testing.assert_close(out, ref, **tol)
 
@@ -227,7 +227,7 @@ def test_residual_linear_leaves_the_next_norm_input(m, gated, forced):
     matmul that reads it as `prenormed` gives what normalising the residual itself gives. When
     `forced`, the producer runs the FMA candidate with 4-column programs and leaves more
     partial sums (275) than a 16-row consumer reads in one tile (256)."""
-    from verify_kernels import skinny_gemm
+    from verify_kernels import skinny_tiles
 
     if forced and m != 5:
         pytest.skip("one row count covers the forced tiles (the FMA candidate serves 2..8)")
@@ -247,12 +247,12 @@ def test_residual_linear_leaves_the_next_norm_input(m, gated, forced):
         return r, scaled, fused_linear(r, w, norm_weight=norm, eps=1e-5, gated=gated,
                                        prenormed=scaled)
 
-    with skinny_gemm.recording_keys() as keys:
+    with skinny_tiles.recording_keys() as keys:
         r, scaled, out = chain()
     assert scaled.scaled.shape == (m, hidden) and scaled.sumsq.shape[1] == m
     if forced:
-        skinny_gemm.set_config(keys[0], (4, 32, 4, 1, "fma"))
-        skinny_gemm.set_config(keys[1], (64, 32, 4, 1, "swap"))
+        skinny_tiles.set_config(keys[0], (4, 32, 4, 1, "fma"))
+        skinny_tiles.set_config(keys[1], (64, 32, 4, 1, "swap"))
         r, scaled, out = chain()
         assert scaled.sumsq.shape[0] == 275
     torch.testing.assert_close(r.float(), res_ref.float(), **MM_TOL)

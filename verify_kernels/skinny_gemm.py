@@ -24,24 +24,21 @@ A program owns BLOCK_N output columns of every row and walks K. It reduces eithe
 (the prologues fold in; one row always, and up to 8 rows as a candidate) or with tensor-core
 dots over a 16-row tile: the x tile against the weight tile (the prologue then runs first as a
 kernel of its own: folded into that loop it stalled the weight pipeline, an 8-row step took
-11.0 ms instead of 5.25 on an H200), or swapped, the weight tile against x (see Config).
-Which, and the tile sizes, are chosen per shape and row count by timing on first use (never
-while a CUDA graph is being captured); the graph runner may then re-choose them by timing the
-whole captured step (`recording_keys`, `candidates`, `set_config`). The PyTorch reference
-is `skinny_linear_ref`.
+11.0 ms instead of 5.25 on an H200), or swapped, the weight tile against x (skinny_tiles.py).
+Which, and the tile sizes, are chosen per shape and row count by timing on first use
+(skinny_tiles.py); the graph runner may then re-choose them by timing the whole captured step.
+The PyTorch reference is `skinny_linear_ref`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from verify_kernels import skinny_tiles
 from verify_kernels.pdl import pdl_args, pdl_wait_release
 
 MAX_ROWS = 16
@@ -190,39 +187,11 @@ def _skinny_kernel(
               GATED, HAS_BIAS, HAS_RES, EMIT)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, kind) tried per shape on the GPU. Kinds:
-# - "fma": FMAs, which allow narrow column tiles (more programs in flight for tall-K layers);
-#   with several rows they hold BLOCK_M * BLOCK_N * BLOCK_K products, so K tiles shrink;
-# - "dot": tensor-core dots of the 16-row x tile against the weight tile (16 columns or more);
-# - "swap": the same dots with the operands swapped, out^T = W x^T: the weight tile is the
-#   wide operand, which on Hopper lets a 64-column tile feed a warpgroup MMA straight from
-#   shared memory; the prologue stays folded in, as with FMAs.
-# Split-K tiles (K in 2 or 4 parts, the last part per column tile adding them up) were tried
-# and not kept: the tuner picked them for one 4-row shape only, and steps were no faster
-# (bench/results/gpu_verify_attn_h200_20261130_split.json).
-Config = tuple  # (int, int, int, int, str)
-FMA_MAX_ROWS = 8
-CONFIGS_ONE_ROW = ((4, 1024, 4, 3, "fma"), (8, 512, 4, 3, "fma"), (8, 1024, 4, 2, "fma"),
-                   (16, 512, 4, 3, "fma"), (16, 1024, 8, 2, "fma"), (32, 256, 4, 4, "fma"),
-                   (32, 512, 8, 3, "fma"))
-CONFIGS_FMA_ROWS = ((4, 256, 4, 3, "fma"), (8, 128, 4, 4, "fma"), (16, 128, 8, 3, "fma"))
-CONFIGS_DOT = ((16, 256, 4, 4, "dot"), (32, 256, 4, 4, "dot"), (32, 512, 8, 3, "dot"),
-               (64, 256, 8, 3, "dot"), (64, 128, 4, 4, "dot"), (128, 128, 8, 3, "dot"))
-CONFIGS_SWAP = ((64, 128, 4, 4, "swap"), (64, 256, 4, 3, "swap"), (64, 256, 4, 4, "swap"),
-                (64, 512, 4, 2, "swap"), (128, 128, 4, 4, "swap"), (128, 128, 8, 3, "swap"))
-_INTERPRET_CONFIG = (32, 64, 4, 1)
 # Rows from which a residual-writing matmul leaves the next norm's input (`residual_linear`).
 # From one row: the batch-1 decode step measured 4.12 ms against 4.14 with one-row steps
 # keeping the norm in their FMA loop, and 2-8-row steps 63-70 us faster than with the norm as
 # a kernel of its own (bench/results/gpu_verify_attn_h200_20261130_emit.json).
 EMIT_MIN_ROWS = 1
-_CHOSEN: dict[tuple, Config] = {}
-_RAN: dict[tuple, list[Config]] = {}  # per key, the configs that ran
-_SEEN: list[tuple] | None = None  # keys launched inside `recording_keys`
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -287,10 +256,9 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
     key = (rows, n, k, x.dtype, weight.dtype, norm_weight is not None, silu_mul,
            bias is not None, residual is not None, gated, prenormed is not None,
            emit_norm is not None)
-    if _SEEN is not None and key not in _SEEN:
-        _SEEN.append(key)
+    skinny_tiles.record(key)
 
-    def launch(cfg: Config, o: torch.Tensor, r: torch.Tensor | None) -> ScaledRows | None:
+    def launch(cfg: tuple, o: torch.Tensor, r: torch.Tensor | None) -> ScaledRows | None:
         bn, bk, warps, stages, kind = cfg
         xin, g, silu = x, norm_weight, silu_mul
         if prenormed is not None:
@@ -326,74 +294,8 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
             num_warps=warps, num_stages=stages, **pdl_args(x.device))
         return emitted
 
-    cfg = _CHOSEN.get(key)
-    if cfg is None:
-        configs = CONFIGS_ONE_ROW if m == 1 else CONFIGS_DOT
-        if 1 < m <= FMA_MAX_ROWS:
-            configs += CONFIGS_FMA_ROWS
-        if m > 1:
-            configs += CONFIGS_SWAP
-        ran = _tune(launch, configs, out, residual, x.device, m == 1)
-        if ran is None:  # capturing a CUDA graph: no timing now, and nothing remembered
-            cfg = configs[1]
-        else:
-            cfg, _RAN[key] = ran[0], ran
-            _CHOSEN[key] = cfg
-    return out, launch(cfg, out, residual)
-
-
-def _tune(launch, configs, out: torch.Tensor, residual: torch.Tensor | None,
-          device: torch.device, one_row: bool) -> list[Config] | None:
-    """The configs that ran, fastest first, timed on scratch outputs (the residual must not
-    accumulate); None while a CUDA graph is being captured. Off the GPU: one small tile, FMAs
-    at one row, dots past it. With SPECDEC_SKINNY_TUNE=0, all of them untimed, in order."""
-    if _interpreting() or device.type != "cuda":
-        return [(*_INTERPRET_CONFIG, "fma" if one_row else "dot")]
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    if os.environ.get("SPECDEC_SKINNY_TUNE", "1") == "0":  # kernel tests: no timing compiles
-        return list(configs)
-    from triton.testing import do_bench
-
-    scratch = torch.empty_like(out)
-    res = residual.clone() if residual is not None else None
-    timed = []
-    for cfg in configs:
-        try:
-            timed.append((do_bench(lambda cfg=cfg: launch(cfg, scratch, res), warmup=5,
-                                   rep=20), cfg))
-        except Exception:  # a config this GPU cannot fit (shared memory, registers)
-            continue
-    return [cfg for _, cfg in sorted(timed)] or [configs[1]]
-
-
-def chosen_configs() -> dict[tuple, Config]:
-    return dict(_CHOSEN)
-
-
-@contextlib.contextmanager
-def recording_keys() -> Iterator[list[tuple]]:
-    """Collects the config keys of every skinny_linear call made inside the block, in order."""
-    global _SEEN
-    keys: list[tuple] = []
-    _SEEN = keys
-    try:
-        yield keys
-    finally:
-        _SEEN = None
-
-
-def candidates(key: tuple) -> list[Config]:
-    """The configs that ran for `key` when it was tuned (fastest alone first)."""
-    return list(_RAN.get(key, ()))
-
-
-def config_of(key: tuple) -> Config | None:
-    return _CHOSEN.get(key)
-
-
-def set_config(key: tuple, cfg: Config) -> None:
-    _CHOSEN[key] = cfg
+    return out, launch(skinny_tiles.choose(key, m, launch, out, residual, x.device), out,
+                       residual)
 
 
 def skinny_linear_ref(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_mul=False,

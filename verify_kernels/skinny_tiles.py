@@ -1,0 +1,132 @@
+"""Tile choice for the few-row matmul (skinny_gemm.py): the candidate tiles, timing them on
+first use of a shape, and the record of what was chosen, which the CUDA graph runner reads and
+overrides when it re-times the candidates inside the whole captured step (`recording_keys`,
+`candidates`, `set_config`).
+
+A key is (rows rounded up to a power of two, N, K, dtypes, and which prologue and epilogue the
+call has); each key is timed once, never while a CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, kind) tried per shape on the GPU. Kinds:
+# - "fma": FMAs, which allow narrow column tiles (more programs in flight for tall-K layers);
+#   with several rows they hold BLOCK_M * BLOCK_N * BLOCK_K products, so K tiles shrink;
+# - "dot": tensor-core dots of the 16-row x tile against the weight tile (16 columns or more);
+# - "swap": the same dots with the operands swapped, out^T = W x^T: the weight tile is the
+#   wide operand, which on Hopper lets a 64-column tile feed a warpgroup MMA straight from
+#   shared memory; the prologue stays folded in, as with FMAs.
+# Split-K tiles (K in 2 or 4 parts, the last part per column tile adding them up) were tried
+# and not kept: the tuner picked them for one 4-row shape only, and steps were no faster
+# (bench/results/gpu_verify_attn_h200_20261130_split.json).
+Config = tuple  # (int, int, int, int, str)
+FMA_MAX_ROWS = 8
+CONFIGS_ONE_ROW = ((4, 1024, 4, 3, "fma"), (8, 512, 4, 3, "fma"), (8, 1024, 4, 2, "fma"),
+                   (16, 512, 4, 3, "fma"), (16, 1024, 8, 2, "fma"), (32, 256, 4, 4, "fma"),
+                   (32, 512, 8, 3, "fma"))
+CONFIGS_FMA_ROWS = ((4, 256, 4, 3, "fma"), (8, 128, 4, 4, "fma"), (16, 128, 8, 3, "fma"))
+CONFIGS_DOT = ((16, 256, 4, 4, "dot"), (32, 256, 4, 4, "dot"), (32, 512, 8, 3, "dot"),
+               (64, 256, 8, 3, "dot"), (64, 128, 4, 4, "dot"), (128, 128, 8, 3, "dot"))
+CONFIGS_SWAP = ((64, 128, 4, 4, "swap"), (64, 256, 4, 3, "swap"), (64, 256, 4, 4, "swap"),
+                (64, 512, 4, 2, "swap"), (128, 128, 4, 4, "swap"), (128, 128, 8, 3, "swap"))
+_INTERPRET_CONFIG = (32, 64, 4, 1)
+_CHOSEN: dict[tuple, Config] = {}
+_RAN: dict[tuple, list[Config]] = {}  # per key, the configs that ran
+_SEEN: list[tuple] | None = None  # keys launched inside `recording_keys`
+
+
+def configs_for(rows: int) -> tuple[Config, ...]:
+    """The candidates at `rows` rows."""
+    if rows == 1:
+        return CONFIGS_ONE_ROW
+    return CONFIGS_DOT + (CONFIGS_FMA_ROWS if rows <= FMA_MAX_ROWS else ()) + CONFIGS_SWAP
+
+
+def choose(key: tuple, rows: int, launch: Callable, out: torch.Tensor,
+           residual: torch.Tensor | None, device: torch.device) -> Config:
+    """The config for `key`, timed among configs_for(rows) by `launch(cfg, out, residual)` on
+    first use (a default, not remembered, when that falls inside a CUDA graph capture)."""
+    cfg = _CHOSEN.get(key)
+    if cfg is None:
+        configs = configs_for(rows)
+        ran = _tune(launch, configs, out, residual, device, rows == 1)
+        if ran is None:  # capturing a CUDA graph: no timing now, and nothing remembered
+            return configs[1]
+        cfg, _RAN[key] = ran[0], ran
+        _CHOSEN[key] = cfg
+    return cfg
+
+
+def record(key: tuple) -> None:
+    if _SEEN is not None and key not in _SEEN:
+        _SEEN.append(key)
+
+
+def forget() -> None:
+    """Drops every choice (the next call of each shape times its candidates again)."""
+    _CHOSEN.clear()
+    _RAN.clear()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tune(launch, configs, out: torch.Tensor, residual: torch.Tensor | None,
+          device: torch.device, one_row: bool) -> list[Config] | None:
+    """The configs that ran, fastest first, timed on scratch outputs (the residual must not
+    accumulate); None while a CUDA graph is being captured. Off the GPU: one small tile, FMAs
+    at one row, dots past it. With SPECDEC_SKINNY_TUNE=0, all of them untimed, in order."""
+    if _interpreting() or device.type != "cuda":
+        return [(*_INTERPRET_CONFIG, "fma" if one_row else "dot")]
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    if os.environ.get("SPECDEC_SKINNY_TUNE", "1") == "0":  # kernel tests: no timing compiles
+        return list(configs)
+    from triton.testing import do_bench
+
+    scratch = torch.empty_like(out)
+    res = residual.clone() if residual is not None else None
+    timed = []
+    for cfg in configs:
+        try:
+            timed.append((do_bench(lambda cfg=cfg: launch(cfg, scratch, res), warmup=5,
+                                   rep=20), cfg))
+        except Exception:  # a config this GPU cannot fit (shared memory, registers)
+            continue
+    return [cfg for _, cfg in sorted(timed)] or [configs[1]]
+
+
+def chosen_configs() -> dict[tuple, Config]:
+    return dict(_CHOSEN)
+
+
+@contextlib.contextmanager
+def recording_keys() -> Iterator[list[tuple]]:
+    """Collects the config keys of every skinny_linear call made inside the block, in order."""
+    global _SEEN
+    keys: list[tuple] = []
+    _SEEN = keys
+    try:
+        yield keys
+    finally:
+        _SEEN = None
+
+
+def candidates(key: tuple) -> list[Config]:
+    """The configs that ran for `key` when it was tuned (fastest alone first)."""
+    return list(_RAN.get(key, ()))
+
+
+def config_of(key: tuple) -> Config | None:
+    return _CHOSEN.get(key)
+
+
+def set_config(key: tuple, cfg: Config) -> None:
+    _CHOSEN[key] = cfg
