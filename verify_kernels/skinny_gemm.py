@@ -221,12 +221,15 @@ def skinny_linear(
 ) -> torch.Tensor:  # [M, N]
     """epilogue(linear(prologue(x), weight, bias)) (+ residual, in place): see the module
     docstring."""
-    return _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dtype,
-                   prenormed, None)[0]
+    return _skinny(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
+                   gated=gated, residual=residual, out_dtype=out_dtype, prenormed=prenormed,
+                   emit_norm=None)[0]
 
 
-def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dtype, prenormed,
-            emit_norm) -> tuple[torch.Tensor, ScaledRows | None]:
+def _skinny(x, weight, bias, *, norm_weight, eps, silu_mul, gated, residual, out_dtype,
+            prenormed, emit_norm) -> tuple[torch.Tensor, ScaledRows | None]:
+    """skinny_linear, and with `emit_norm` ([N], needs `residual`) also the ScaledRows that
+    residual_linear hands on."""
     m = x.shape[0]
     n, k = weight.shape
     assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, "rows must be contiguous"
@@ -274,23 +277,26 @@ def _skinny(x, weight, bias, norm_weight, eps, silu_mul, gated, residual, out_dt
         if emit_norm is not None:
             emitted = ScaledRows(torch.empty(m, n, dtype=o.dtype, device=o.device),
                                  torch.empty(grid, m, dtype=torch.float32, device=o.device))
-        ss_in = prenormed.sumsq if prenormed is not None else weight
         block_m = rows if kind == "fma" else 16
-        # All the partial sums in one tile, up to 4096 values (registers).
-        block_p = min(triton.next_power_of_2(ss_in.shape[0]), max(64, 4096 // block_m))
+        ss_in, p_in, block_p = weight, 0, 1  # the producer's partial sums (with prenormed)
+        if prenormed is not None:
+            ss_in, p_in = prenormed.sumsq, prenormed.sumsq.shape[0]
+            # All of them in one tile, up to 4096 values (registers).
+            block_p = min(triton.next_power_of_2(p_in), max(64, 4096 // block_m))
         _skinny_kernel[(grid,)](
             xin, weight, o, bias if bias is not None else weight, r if r is not None else o,
             g if g is not None else weight, ss_in,
-            emit_norm if emitted else weight, emitted.scaled if emitted else o,
-            emitted.sumsq if emitted else weight,
-            m, n, k, ss_in.shape[0], xin.stride(0), weight.stride(0), o.stride(0),
+            emit_norm if emitted is not None else weight,
+            emitted.scaled if emitted is not None else o,
+            emitted.sumsq if emitted is not None else weight,
+            m, n, k, p_in, xin.stride(0), weight.stride(0), o.stride(0),
             r.stride(0) if r is not None else 0, eps,
             NORM=g is not None, SILU_MUL=silu, GATED=gated, HAS_BIAS=bias is not None,
             HAS_RES=r is not None, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
             EVEN=n % bn == 0 and k % bk == 0, FMA=kind == "fma", SWAP=kind == "swap",
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             PRENORMED=prenormed is not None, EMIT=emitted is not None,
-            BLOCK_P=block_p if prenormed is not None else 1,
+            BLOCK_P=block_p,
             num_warps=warps, num_stages=stages, **pdl_args(x.device))
         return emitted
 
@@ -364,4 +370,5 @@ def residual_linear(
     if next_norm is None or not EMIT_MIN_ROWS <= x.shape[0] <= MAX_ROWS:
         fused_linear(x, weight, bias, residual=residual)
         return None
-    return _skinny(x, weight, bias, None, 1e-6, False, False, residual, None, None, next_norm)[1]
+    return _skinny(x, weight, bias, norm_weight=None, eps=0.0, silu_mul=False, gated=False,
+                   residual=residual, out_dtype=None, prenormed=None, emit_norm=next_norm)[1]
