@@ -30,11 +30,12 @@ import gpu_setup as gs
 from gpu_decode_attn import BS, HKV, HQ, LAYERS, D, graph_us
 
 
-def kernels_at(bsz: int, rows: int, out: list) -> None:
+def tree_case(bsz: int, rows: int):
+    """32 layers' inputs of a verification step: (qkv_of(layer) -> q, k, v; caches; positions;
+    inverse frequencies; metadata; slots) for `bsz` sequences of `rows` rows under a binary-tree
+    mask, each over a 1k context."""
+    from drafters.tree import ancestor_mask_of
     from specdec.attention import AttentionMetadata
-    from verify_kernels.fused_ops import rope_write_kv
-    from verify_kernels.paged_attention import paged_attention
-    from verify_kernels.tree_attention import tree_attention
 
     ctx = gs.CTX
     inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
@@ -50,8 +51,6 @@ def kernels_at(bsz: int, rows: int, out: list) -> None:
     cols = ctx + torch.arange(rows, device="cuda")
     slots = (tables[:, cols // BS].long() * BS + cols % BS).flatten()
     parents = gs.tree_parents(rows - 1)
-    from drafters.tree import ancestor_mask_of
-
     mask = ancestor_mask_of(parents).flatten().to("cuda").repeat(bsz)
     meta = AttentionMetadata(
         torch.arange(0, t + 1, rows, **i32), torch.full((bsz,), ctx, **i32),
@@ -65,6 +64,15 @@ def kernels_at(bsz: int, rows: int, out: list) -> None:
         return (x[:, :HQ * D].view(t, HQ, D), x[:, HQ * D:(HQ + HKV) * D].view(t, HKV, D),
                 x[:, (HQ + HKV) * D:].view(t, HKV, D))
 
+    return qkv_of, caches, pos, inv, meta, slots
+
+
+def kernels_at(bsz: int, rows: int, out: list) -> None:
+    from verify_kernels.fused_ops import rope_write_kv
+    from verify_kernels.paged_attention import paged_attention
+    from verify_kernels.tree_attention import tree_attention
+
+    qkv_of, caches, pos, inv, meta, slots = tree_case(bsz, rows)
     for splits in (1, 4, 8, 16, 32):
         if bsz * HKV * splits > 8 * 132:
             continue

@@ -114,6 +114,15 @@ def test_tree_split(splits):
     tree([(129, [-1]), (640, 2)], 32, 8, 128, 16, splits=splits, seed=100 + splits)
 
 
+@pytest.mark.parametrize("splits,block_n", [(2, 16), (5, 32), (16, 32)])
+def test_tree_owner_alone(splits, block_n):
+    # The step's own columns in a program of their own; contexts of 0, under one tile, ragged.
+    tree([(0, TREE7), (5, 8), (300, TREE7), (1000, 8)], 8, 2, 64, 16, splits=splits,
+         seed=200 + splits, owner_alone=True, block_n=block_n)
+    tree([(129, [-1, 0]), (16, 3)], 32, 8, 128, 16, splits=splits, seed=300 + splits,
+         owner_alone=True, block_n=block_n)
+
+
 def test_tree_warps():
     tree([(33, TREE7), (200, 8)], 8, 2, 64, 16, splits=4, seed=5, num_warps=4)
     tree([(33, [-1, 0, 0]), (200, 4)], 32, 8, 128, 16, splits=2, seed=6, num_warps=8)

@@ -82,7 +82,7 @@ def _tree_attn_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_M: tl.constexpr, NEW_P: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    OWNER_ALONE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -102,7 +102,9 @@ def _tree_attn_kernel(
     lo = 0
     hi = ctx
     if NUM_SPLITS > 1:
-        per = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        # With OWNER_ALONE the cached columns go to the first NUM_SPLITS - 1 programs and the
+        # owner takes only the step's own, in parallel with them.
+        per = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS - OWNER_ALONE) * BLOCK_N
         lo = split * per
         hi = tl.minimum(lo + per, ctx)
     owner = split == NUM_SPLITS - 1  # takes the step's own columns
@@ -194,6 +196,8 @@ def tree_attention(
     scale: float | None = None,
     num_splits: int = 1,
     num_warps: int | None = None,
+    block_n: int | None = None,
+    owner_alone: bool = False,
 ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
     """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
     sequence's Q rows over its context and the rows it sees. Reads nothing from the device on
@@ -241,7 +245,8 @@ def tree_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         HEAD_DIM=d, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, NEW_P=max(16, q_p),
-        BLOCK_N=64 if d <= 128 else 32, BLOCK_SIZE=bs, NUM_SPLITS=splits, HAS_MASK=has_mask,
+        BLOCK_N=block_n or (64 if d <= 128 else 32), BLOCK_SIZE=bs, NUM_SPLITS=splits,
+        HAS_MASK=has_mask, OWNER_ALONE=owner_alone and splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=num_warps or 8,
     )

@@ -1,0 +1,150 @@
+"""Tile candidates of the few-row matmul and variants of the tree attention kernel, each timed
+as one Llama-3.1-8B layer's worth inside a CUDA graph of 32 layers (each layer its own weights
+or KV, so nothing is served from L2 that a real step would read from memory).
+
+1. Matmuls: each layer role (qkv with the norm handed on, o_proj writing the residual and the
+   next norm's input, gated gate_up, down) at 1, 2, 4 and 8 rows, for every tile in
+   skinny_tiles' candidates and in EXTRA_* below (FMA tiles at 2 rows only); per role and row
+   count, sorted by time.
+2. Tree attention at 2 and 8 rows (batch 1, binary-tree mask, 1k context): split counts,
+   KV tile widths, warps, and the step's own columns in a program of their own
+   (`owner_alone`), against rotary + KV write, paged attention and the merge as launches.
+
+    PYTHONPATH=. SPECDEC_SKINNY_TUNE=0 python3 bench/gpu_tiles.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_setup as gs
+from gpu_decode_attn import HKV, HQ, LAYERS, D, graph_us
+
+HIDDEN, INTER = 4096, 14336
+# Tiles beyond skinny_tiles' candidates: narrow tensor-core tiles with deep pipelines (more
+# programs, more bytes in flight per SM), and FMA tiles as long in K as the one-row ones.
+EXTRA_DOT = ((16, 512, 4, 4, "dot"), (16, 1024, 4, 3, "dot"), (32, 512, 4, 4, "dot"),
+             (32, 256, 4, 6, "dot"), (16, 256, 4, 6, "dot"), (32, 1024, 4, 2, "dot"),
+             (64, 128, 4, 6, "swap"), (64, 64, 4, 8, "swap"), (64, 128, 4, 8, "swap"))
+EXTRA_FMA = ((4, 1024, 4, 3, "fma"), (4, 512, 4, 3, "fma"), (8, 512, 4, 3, "fma"),
+             (8, 1024, 8, 2, "fma"), (2, 1024, 4, 3, "fma"))
+ONE_ROW = {"qkv": (8, 1024, 4, 2, "fma"), "o_proj": (4, 1024, 4, 3, "fma"),
+           "gate_up": (8, 1024, 4, 2, "fma"), "down": (4, 1024, 4, 3, "fma")}
+
+
+def role_call(role: str, rows: int):
+    """call(layer): the role's matmul at `rows` rows, with the prologue and epilogue the fused
+    forward gives it."""
+    from verify_kernels.skinny_gemm import ScaledRows, residual_linear, skinny_linear
+
+    dev, dt = "cuda", torch.bfloat16
+    n, k = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN), "o_proj": (HIDDEN, HIDDEN),
+            "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}[role]
+    ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+    g = torch.rand(k if role in ("qkv", "gate_up") else n, device=dev, dtype=dt) + 0.5
+    x = torch.randn(rows, k, device=dev, dtype=dt)
+    if role in ("qkv", "gate_up"):
+        pre = ScaledRows(x * g, torch.rand(64, rows, device=dev) * k / 64)
+        return lambda i: skinny_linear(x, ws[i], norm_weight=g, gated=role == "gate_up",
+                                       prenormed=pre)
+    res = torch.zeros(rows, n, device=dev, dtype=dt)
+    return lambda i: residual_linear(x, ws[i], None, res, next_norm=g)
+
+
+def matmuls(out: dict, save) -> None:
+    from verify_kernels import skinny_tiles
+
+    table = out.setdefault("matmul_us_per_layer", {})
+    for role in ("o_proj", "down", "qkv", "gate_up"):
+        for rows in (1, 2, 4, 8):
+            call = role_call(role, rows)
+            with skinny_tiles.recording_keys() as keys:
+                call(0)
+            key = keys[0]
+            if rows == 1:
+                cfgs = (ONE_ROW[role],)
+            else:
+                cfgs = (skinny_tiles.CONFIGS_DOT + skinny_tiles.CONFIGS_SWAP + EXTRA_DOT
+                        + (skinny_tiles.CONFIGS_FMA_ROWS + EXTRA_FMA if rows == 2 else ()))
+            times = {}
+            for cfg in cfgs:
+                skinny_tiles.set_config(key, cfg)
+                try:
+                    times[str(cfg)] = round(graph_us(call), 2)
+                except Exception as e:  # a tile this GPU cannot fit
+                    times[str(cfg)] = f"failed: {type(e).__name__}"
+            ok = sorted((v, c) for c, v in times.items() if isinstance(v, float))
+            table[f"{role} rows {rows}"] = dict([(c, v) for v, c in ok]
+                                                + [(c, v) for c, v in times.items()
+                                                   if not isinstance(v, float)])
+            gs.log(f"{role} rows {rows}: " + ", ".join(f"{c} {v}" for v, c in ok[:5]))
+            del call
+            torch.cuda.empty_cache()
+        save()
+
+
+def attention_at(rows: int) -> dict:
+    """Per-layer microseconds of each variant at `rows` rows."""
+    from gpu_verify_attn import tree_case
+
+    from verify_kernels.fused_ops import rope_write_kv
+    from verify_kernels.paged_attention import paged_attention
+    from verify_kernels.tree_attention import tree_attention
+
+    qkv_of, caches, pos, inv, meta, slots = tree_case(1, rows)
+
+    def two_launch(i, splits):
+        q, k, v = qkv_of(i)
+        rope_write_kv(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], slots)
+        paged_attention(q, caches[i][0], caches[i][1], meta, 0.088, num_splits=splits)
+
+    def fused(i, **kw):
+        tree_attention(*qkv_of(i), pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088, **kw)
+
+    row: dict = {}
+    for splits in (8, 16, 32):
+        row[f"two_launch s{splits}"] = graph_us(lambda i, s=splits: two_launch(i, s))
+        for bn, warps in ((32, 4), (32, 8), (64, 8)):  # 64 columns at 4 warps: slower
+            for alone in (False, True):
+                kw = {"num_splits": splits, "block_n": bn, "num_warps": warps,
+                      "owner_alone": alone}
+                name = f"fused s{splits} n{bn} w{warps}{' alone' if alone else ''}"
+                row[name] = graph_us(lambda i, kw=kw: fused(i, **kw))
+    return row
+
+
+def attention(out: dict) -> None:
+    table = out.setdefault("tree_attention_us_per_layer", {})
+    for rows in (2, 8):
+        row = attention_at(rows)
+        table[f"rows {rows}"] = dict(sorted((k, round(v, 2)) for k, v in row.items()))
+        best = sorted(row.items(), key=lambda kv: kv[1])[:6]
+        gs.log(f"tree rows {rows}: " + ", ".join(f"{k} {v:.2f}" for k, v in best))
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--part", choices=("all", "matmuls", "attention"), default="all")
+    args = ap.parse_args()
+    out = gs.run_info()
+    dst = Path(args.out)
+    dst.mkdir(parents=True, exist_ok=True)
+    dst = dst / "gpu_tiles.json"
+    if args.part in ("all", "attention"):
+        attention(out)
+        dst.write_text(json.dumps(out, indent=1))
+    if args.part in ("all", "matmuls"):
+        matmuls(out, lambda: dst.write_text(json.dumps(out, indent=1)))
+
+
+if __name__ == "__main__":
+    main()
