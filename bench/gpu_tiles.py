@@ -6,9 +6,10 @@ or KV, so nothing is served from L2 that a real step would read from memory).
    next norm's input, gated gate_up, down) at 1, 2, 4 and 8 rows, for every tile in
    skinny_tiles' candidates and in EXTRA_* below (FMA tiles at 2 rows only); per role and row
    count, sorted by time.
-2. Tree attention at 2 and 8 rows (batch 1, binary-tree mask, 1k context): split counts,
-   KV tile widths, warps, and the step's own columns in a program of their own
-   (`owner_alone`), against rotary + KV write, paged attention and the merge as launches.
+2. Tree attention at 2 and 8 rows (batch 1, binary-tree mask, 1k context): split counts, KV
+   tile widths and warps, against rotary + KV write, paged attention and the merge as
+   launches. (bench/results/gpu_tiles_h200_20261201.json also has each variant with the step's
+   own columns in the last cached split, marked without "alone": the kernel before 2026-12-01.)
 
     PYTHONPATH=. SPECDEC_SKINNY_TUNE=0 python3 bench/gpu_tiles.py --out DIR
 """
@@ -71,8 +72,9 @@ def matmuls(out: dict, save) -> None:
             if rows == 1:
                 cfgs = (ONE_ROW[role],)
             else:
-                cfgs = (skinny_tiles.CONFIGS_DOT + skinny_tiles.CONFIGS_SWAP + EXTRA_DOT
-                        + (skinny_tiles.CONFIGS_FMA_ROWS + EXTRA_FMA if rows == 2 else ()))
+                fma = skinny_tiles.CONFIGS_FMA_ROWS + EXTRA_FMA if rows == 2 else ()
+                cfgs = dict.fromkeys(skinny_tiles.CONFIGS_DOT + skinny_tiles.CONFIGS_SWAP
+                                     + EXTRA_DOT + fma)
             times = {}
             for cfg in cfgs:
                 skinny_tiles.set_config(key, cfg)
@@ -112,11 +114,8 @@ def attention_at(rows: int) -> dict:
     for splits in (8, 16, 32):
         row[f"two_launch s{splits}"] = graph_us(lambda i, s=splits: two_launch(i, s))
         for bn, warps in ((32, 4), (32, 8), (64, 8)):  # 64 columns at 4 warps: slower
-            for alone in (False, True):
-                kw = {"num_splits": splits, "block_n": bn, "num_warps": warps,
-                      "owner_alone": alone}
-                name = f"fused s{splits} n{bn} w{warps}{' alone' if alone else ''}"
-                row[name] = graph_us(lambda i, kw=kw: fused(i, **kw))
+            kw = {"num_splits": splits, "block_n": bn, "num_warps": warps}
+            row[f"fused s{splits} n{bn} w{warps}"] = graph_us(lambda i, kw=kw: fused(i, **kw))
     return row
 
 

@@ -130,8 +130,10 @@ def kernel_times(engine, segs, steps: int = 20) -> dict:
 # tree kernel fuses); 17: never (the norm runs as a kernel before multi-row dot matmuls).
 # Earlier runs: gpu_verify_attn_h200_20261130_emit.json (norm hand-off from 1 or 2 rows, tree
 # kernel up to 4 or 8 rows), _swap.json (swapped-dot tiles), _split.json (split-K tiles),
-# _xnative.json (dot tiles reading x in bf16 or through float32: the same).
-RUNNER_MODES = {"norm_kernels": (17, 4), "norm_handoff": (1, 4)}
+# _xnative.json (dot tiles reading x in bf16 or through float32: the same);
+# gpu_verify_attn_h200_20261201_tree8.json (the tree kernel up to 4 or 8 rows, its owner
+# program alone).
+RUNNER_MODES = {"tree_to_4_rows": (1, 4), "tree_to_8_rows": (1, 8)}
 SKINNY_ROLES = ("qkv", "o_proj", "gate_up", "down")  # per layer, in launch order; then LM head
 
 

@@ -115,12 +115,12 @@ def test_tree_split(splits):
 
 
 @pytest.mark.parametrize("splits,block_n", [(2, 16), (5, 32), (16, 32)])
-def test_tree_owner_alone(splits, block_n):
-    # The step's own columns in a program of their own; contexts of 0, under one tile, ragged.
+def test_tree_tile_widths(splits, block_n):
+    # One cached split or several beside the owner's; contexts of 0, under one tile, ragged.
     tree([(0, TREE7), (5, 8), (300, TREE7), (1000, 8)], 8, 2, 64, 16, splits=splits,
-         seed=200 + splits, owner_alone=True, block_n=block_n)
+         seed=200 + splits, block_n=block_n)
     tree([(129, [-1, 0]), (16, 3)], 32, 8, 128, 16, splits=splits, seed=300 + splits,
-         owner_alone=True, block_n=block_n)
+         block_n=block_n)
 
 
 def test_tree_warps():

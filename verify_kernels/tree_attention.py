@@ -7,12 +7,15 @@ launches per layer (rope_write_kv, then `paged_attention.py`, which walks a chai
 loads: query starts, the owning sequence, its context, the block table, K, then V). Here:
 
 - q and the new k, v arrive as the qkv matmul wrote them; q is rotated in registers;
-- the cached columns [0, context) are spread over NUM_SPLITS programs per (sequence, KV head),
-  each loading its context length, then block-table entries, then K and V together;
-- the last split also takes the step's own Q columns (it holds the fewest cached ones, or none
-  when the context does not reach it): it rotates their keys, writes keys and values to the
-  cache at the step's slots, and scores them from registers under the sequence's [Q, Q] mask
-  (causal when it has none).
+- with NUM_SPLITS > 1, the cached columns [0, context) are spread over the first
+  NUM_SPLITS - 1 programs per (sequence, KV head), each loading its context length, then
+  block-table entries, then K and V together;
+- the last program takes only the step's own Q columns, in parallel with them: it rotates
+  their keys, writes keys and values to the cache at the step's slots, and scores them from
+  registers under the sequence's [Q, Q] mask (causal when it has none). (With one split, the
+  one program does both.) Giving it cached columns as well made it the last to finish: 15.0
+  against 13.8 us per layer at 8 rows, 11.8 against 11.0 at 2 (16 splits,
+  bench/results/gpu_tiles_h200_20261201.json).
 
 A program's BLOCK_M rows are Q query tokens times the GROUP query heads of its KV head, so each
 K/V tile feeds every row. This is a separate kernel rather than a generalised decode kernel:
@@ -47,13 +50,12 @@ __all__ = ["MAX_Q", "MAX_SEQS", "fuses", "tree_attention"]
 _LOG2E = 1.4426950408889634
 # Steps the backend sends here (`fuses`): at most MAX_SEQS sequences of the same 2 to MAX_Q
 # rows; the kernel itself takes up to 16. On the H200 (Llama-3.1-8B heads, 1k context), per
-# layer in a 32-layer graph of attention alone, best split count each, 8 warps: batch 1,
-# 11.8 against 14.0 us for the two launches at 2 rows, 15.2 / 17.7 at 8; slower at 16 rows
-# (23.0 / 21.6) and at batch 8 (8 rows 41.8 / 33.5). In the whole captured step (Llama-3.1-8B
-# shape, batch 1), faster at 2 and 4 rows (4.55 / 4.62 and 4.59 / 4.69 ms per step), slower at
-# 8 (4.92 / 4.80: 18.4 us per layer there, against 15.2 alone).
-# bench/results/gpu_verify_attn_h200_20261130*.json.
-MAX_Q = 4
+# layer in a 32-layer graph of attention alone, best split count each, 8 warps, batch 1:
+# 11.0 against 14.0 us for the launches it replaces at 2 rows, 13.8 / 17.8 at 8
+# (bench/results/gpu_tiles_h200_20261201.json); before the owner had a program of its own,
+# slower at 16 rows (23.0 / 21.6) and at batch 8 (8 rows 41.8 / 33.5)
+# (bench/results/gpu_verify_attn_h200_20261130*.json).
+MAX_Q = 8
 MAX_SEQS = 4
 KERNEL_MAX_Q = 16
 
@@ -82,7 +84,7 @@ def _tree_attn_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_M: tl.constexpr, NEW_P: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
-    OWNER_ALONE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -102,9 +104,7 @@ def _tree_attn_kernel(
     lo = 0
     hi = ctx
     if NUM_SPLITS > 1:
-        # With OWNER_ALONE the cached columns go to the first NUM_SPLITS - 1 programs and the
-        # owner takes only the step's own, in parallel with them.
-        per = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS - OWNER_ALONE) * BLOCK_N
+        per = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS - 1) * BLOCK_N  # the last: none
         lo = split * per
         hi = tl.minimum(lo + per, ctx)
     owner = split == NUM_SPLITS - 1  # takes the step's own columns
@@ -197,12 +197,12 @@ def tree_attention(
     num_splits: int = 1,
     num_warps: int | None = None,
     block_n: int | None = None,
-    owner_alone: bool = False,
 ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
     """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
     sequence's Q rows over its context and the rows it sees. Reads nothing from the device on
     the host: `num_splits` is the caller's (a graph fixes it per bucket). `num_warps` None
-    takes 8 (faster than 4 on the H200 at every row count and split count at batch 1)."""
+    takes 8 (faster than 4 on the H200 at every row count and split count at batch 1);
+    `block_n` (KV columns per tile, a power of two >= 16) None takes 64 up to head dim 128."""
     t, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
     bsz = meta.num_seqs
@@ -221,6 +221,7 @@ def tree_attention(
     assert meta.context_lens.dtype == torch.int32 and meta.block_tables.dtype == torch.int32
     assert meta.mask_offsets.dtype == torch.int64
     assert meta.block_tables.stride(1) == 1 and num_splits >= 1
+    assert block_n is None or (block_n >= 16 and block_n & (block_n - 1) == 0), block_n
     has_mask = any(o >= 0 for o in meta.mask_offsets_host)
     if has_mask:
         assert meta.custom_mask is not None and meta.custom_mask.dtype == torch.bool
@@ -246,7 +247,7 @@ def tree_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         HEAD_DIM=d, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, NEW_P=max(16, q_p),
         BLOCK_N=block_n or (64 if d <= 128 else 32), BLOCK_SIZE=bs, NUM_SPLITS=splits,
-        HAS_MASK=has_mask, OWNER_ALONE=owner_alone and splits > 1,
+        HAS_MASK=has_mask,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=num_warps or 8,
     )
