@@ -6,10 +6,12 @@ or KV, so nothing is served from L2 that a real step would read from memory).
    next norm's input, gated gate_up, down) at 1, 2, 4 and 8 rows, for every tile in
    skinny_tiles' candidates and in EXTRA_* below (FMA tiles at 2 rows only); per role and row
    count, sorted by time.
-2. Tree attention at 2 and 8 rows (batch 1, binary-tree mask, 1k context): split counts, KV
-   tile widths and warps, against rotary + KV write, paged attention and the merge as
-   launches. (bench/results/gpu_tiles_h200_20261201.json also has each variant with the step's
-   own columns in the last cached split, marked without "alone": the kernel before 2026-12-01.)
+2. Tree attention at 2 and 8 rows (batch 1, binary-tree mask, 1k context), and decode
+   attention at 1: split counts, KV tile widths and warps, with the kernels' A/B switches
+   (PREFETCH_KV, TOKEN_ROPE) off and on, against rotary + KV write, paged attention and the
+   merge as launches. (bench/results/gpu_tiles_h200_20261201.json has each tree variant also
+   with the step's own columns in the last cached split, marked without "alone": the kernel
+   before 2026-12-01.)
 
     PYTHONPATH=. SPECDEC_SKINNY_TUNE=0 python3 bench/gpu_tiles.py --out DIR
 """
@@ -92,10 +94,32 @@ def matmuls(out: dict, save) -> None:
         save()
 
 
+def switched(fn, prefetch: bool, token_rope: bool):
+    """fn under the attention kernels' A/B switches (read at launch, so also at capture)."""
+    from verify_kernels import decode_attention as dec
+    from verify_kernels import tree_attention as tree
+
+    def call(i):
+        saved = dec.PREFETCH_KV, tree.PREFETCH_KV, tree.TOKEN_ROPE
+        dec.PREFETCH_KV = tree.PREFETCH_KV = prefetch
+        tree.TOKEN_ROPE = token_rope
+        try:
+            fn(i)
+        finally:
+            dec.PREFETCH_KV, tree.PREFETCH_KV, tree.TOKEN_ROPE = saved
+
+    return call
+
+
+SWITCHES = {"": (False, False), " rope/token": (False, True), " prefetch": (True, False),
+            " prefetch rope/token": (True, True)}
+
+
 def attention_at(rows: int) -> dict:
-    """Per-layer microseconds of each variant at `rows` rows."""
+    """Per-layer microseconds of each variant at `rows` rows (1: the decode kernel)."""
     from gpu_verify_attn import tree_case
 
+    from verify_kernels.decode_attention import decode_attention
     from verify_kernels.fused_ops import rope_write_kv
     from verify_kernels.paged_attention import paged_attention
     from verify_kernels.tree_attention import tree_attention
@@ -108,24 +132,31 @@ def attention_at(rows: int) -> dict:
         paged_attention(q, caches[i][0], caches[i][1], meta, 0.088, num_splits=splits)
 
     def fused(i, **kw):
-        tree_attention(*qkv_of(i), pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088, **kw)
+        kernel = decode_attention if rows == 1 else tree_attention
+        kernel(*qkv_of(i), pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088, **kw)
 
     row: dict = {}
-    for splits in (8, 16, 32):
-        row[f"two_launch s{splits}"] = graph_us(lambda i, s=splits: two_launch(i, s))
-        for bn, warps in ((32, 4), (32, 8), (64, 8)):  # 64 columns at 4 warps: slower
+    tiles = (((16, 32, 4), (32, 32, 4)) if rows == 1 else
+             ((4, 64, 8), (8, 64, 8), (16, 64, 8), (16, 32, 8), (32, 32, 8)))
+    for splits, bn, warps in tiles:
+        if rows > 1 and bn == 64:
+            row[f"two_launch s{splits}"] = graph_us(lambda i, s=splits: two_launch(i, s))
+        for name, (prefetch, token_rope) in SWITCHES.items():
+            if rows == 1 and token_rope:
+                continue
             kw = {"num_splits": splits, "block_n": bn, "num_warps": warps}
-            row[f"fused s{splits} n{bn} w{warps}"] = graph_us(lambda i, kw=kw: fused(i, **kw))
+            row[f"fused s{splits} n{bn} w{warps}{name}"] = graph_us(
+                switched(lambda i, kw=kw: fused(i, **kw), prefetch, token_rope))
     return row
 
 
 def attention(out: dict) -> None:
     table = out.setdefault("tree_attention_us_per_layer", {})
-    for rows in (2, 8):
+    for rows in (1, 2, 8):
         row = attention_at(rows)
         table[f"rows {rows}"] = dict(sorted((k, round(v, 2)) for k, v in row.items()))
-        best = sorted(row.items(), key=lambda kv: kv[1])[:6]
-        gs.log(f"tree rows {rows}: " + ", ".join(f"{k} {v:.2f}" for k, v in best))
+        best = sorted(row.items(), key=lambda kv: kv[1])[:8]
+        gs.log(f"attention rows {rows}: " + ", ".join(f"{k} {v:.2f}" for k, v in best))
         torch.cuda.empty_cache()
 
 

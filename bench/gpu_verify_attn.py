@@ -7,7 +7,7 @@ two-launch path it replaces (rope_write_kv, then the general paged attention), s
    layer, over split counts and warp counts.
 2. The runner (Llama-3.1-8B shape, random weights, bf16): the batch-1 verification cost curve
    (time of a Q-row step over a 1-row decode step) under alternated settings (RUNNER_MODES:
-   from how many rows the norm hand-off runs, up to how many rows the tree kernel fuses); then
+   module switches of the kernels, set before each mode's graphs are captured); then
    the GPU time of each kernel (and of each layer matmul) in 1-, 2-, 4- and 8-row steps under
    the last setting (torch.profiler).
 
@@ -17,6 +17,7 @@ two-launch path it replaces (rope_write_kv, then the general paged attention), s
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import tempfile
@@ -126,14 +127,20 @@ def kernel_times(engine, segs, steps: int = 20) -> dict:
                         for k, (us, n) in sorted(by.items(), key=lambda kv: -kv[1][0])}}
 
 
-# name: (rows from which residual-writing matmuls leave the next norm's input, most rows the
-# tree kernel fuses); 17: never (the norm runs as a kernel before multi-row dot matmuls).
+# name: {(module, attribute): value} set before the mode's graphs are captured.
 # Earlier runs: gpu_verify_attn_h200_20261130_emit.json (norm hand-off from 1 or 2 rows, tree
 # kernel up to 4 or 8 rows), _swap.json (swapped-dot tiles), _split.json (split-K tiles),
 # _xnative.json (dot tiles reading x in bf16 or through float32: the same);
 # gpu_verify_attn_h200_20261201_tree8.json (the tree kernel up to 4 or 8 rows, its owner
-# program alone).
-RUNNER_MODES = {"tree_to_4_rows": (1, 4), "tree_to_8_rows": (1, 8)}
+# program alone: the same).
+RUNNER_MODES = {
+    "kv_serial": {("decode_attention", "PREFETCH_KV"): False,
+                  ("tree_attention", "PREFETCH_KV"): False,
+                  ("tree_attention", "TOKEN_ROPE"): False},
+    "kv_prefetch": {("decode_attention", "PREFETCH_KV"): True,
+                    ("tree_attention", "PREFETCH_KV"): True,
+                    ("tree_attention", "TOKEN_ROPE"): True},
+}
 SKINNY_ROLES = ("qkv", "o_proj", "gate_up", "down")  # per layer, in launch order; then LM head
 
 
@@ -144,8 +151,7 @@ def runner_ab(out: dict) -> None:
     kernel slower at 2 and 4 rows: _c.json.)"""
     import gc
 
-    from verify_kernels import skinny_gemm, skinny_tiles
-    from verify_kernels import tree_attention as tree
+    from verify_kernels import skinny_tiles
 
     tmp = Path(tempfile.mkdtemp())
     engine = gs.build_engine(gs.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton",
@@ -154,7 +160,8 @@ def runner_ab(out: dict) -> None:
     runner = engine.runner
     res = []
     for mode in list(RUNNER_MODES) * 2:
-        skinny_gemm.EMIT_MIN_ROWS, tree.MAX_Q = RUNNER_MODES[mode]
+        for (module, attr), value in RUNNER_MODES[mode].items():
+            setattr(importlib.import_module(f"verify_kernels.{module}"), attr, value)
         runner.graphs.graphs.clear()  # recaptured with this path
         runner.graphs.splits.clear()
         torch.cuda.synchronize()
