@@ -7,11 +7,14 @@ or KV, so nothing is served from L2 that a real step would read from memory).
    skinny_tiles' candidates and in EXTRA_* below (FMA tiles at 2 rows only); per role and row
    count, sorted by time.
 2. Tree attention at 2 and 8 rows (batch 1, binary-tree mask, 1k context), and decode
-   attention at 1: split counts, KV tile widths and warps, with the kernels' A/B switches
-   (PREFETCH_KV, TOKEN_ROPE) off and on, against rotary + KV write, paged attention and the
-   merge as launches. (bench/results/gpu_tiles_h200_20261201.json has each tree variant also
-   with the step's own columns in the last cached split, marked without "alone": the kernel
-   before 2026-12-01.)
+   attention at 1: split counts, KV tile widths and warps, against rotary + KV write, paged
+   attention and the merge as launches.
+
+Earlier results: bench/results/gpu_tiles_h200_20261201.json (tree variants "alone" had the
+step's own columns in a program of their own, the others in the last cached split, as before
+2026-12-01), _prefetch.json (variants marked "prefetch" issued the next KV tile's loads before
+the current tile's products, as the kernels now do; "rope/token" took rotary angles once per
+query token: no faster, not kept).
 
     PYTHONPATH=. SPECDEC_SKINNY_TUNE=0 python3 bench/gpu_tiles.py --out DIR
 """
@@ -94,27 +97,6 @@ def matmuls(out: dict, save) -> None:
         save()
 
 
-def switched(fn, prefetch: bool, token_rope: bool):
-    """fn under the attention kernels' A/B switches (read at launch, so also at capture)."""
-    from verify_kernels import decode_attention as dec
-    from verify_kernels import tree_attention as tree
-
-    def call(i):
-        saved = dec.PREFETCH_KV, tree.PREFETCH_KV, tree.TOKEN_ROPE
-        dec.PREFETCH_KV = tree.PREFETCH_KV = prefetch
-        tree.TOKEN_ROPE = token_rope
-        try:
-            fn(i)
-        finally:
-            dec.PREFETCH_KV, tree.PREFETCH_KV, tree.TOKEN_ROPE = saved
-
-    return call
-
-
-SWITCHES = {"": (False, False), " rope/token": (False, True), " prefetch": (True, False),
-            " prefetch rope/token": (True, True)}
-
-
 def attention_at(rows: int) -> dict:
     """Per-layer microseconds of each variant at `rows` rows (1: the decode kernel)."""
     from gpu_verify_attn import tree_case
@@ -141,12 +123,8 @@ def attention_at(rows: int) -> dict:
     for splits, bn, warps in tiles:
         if rows > 1 and bn == 64:
             row[f"two_launch s{splits}"] = graph_us(lambda i, s=splits: two_launch(i, s))
-        for name, (prefetch, token_rope) in SWITCHES.items():
-            if rows == 1 and token_rope:
-                continue
-            kw = {"num_splits": splits, "block_n": bn, "num_warps": warps}
-            row[f"fused s{splits} n{bn} w{warps}{name}"] = graph_us(
-                switched(lambda i, kw=kw: fused(i, **kw), prefetch, token_rope))
+        kw = {"num_splits": splits, "block_n": bn, "num_warps": warps}
+        row[f"fused s{splits} n{bn} w{warps}"] = graph_us(lambda i, kw=kw: fused(i, **kw))
     return row
 
 

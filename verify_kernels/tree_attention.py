@@ -58,10 +58,6 @@ _LOG2E = 1.4426950408889634
 MAX_Q = 8
 MAX_SEQS = 4
 KERNEL_MAX_Q = 16
-# A/B switches (bench/gpu_tiles.py): rotary angles per query token rather than per row; the
-# next KV tile's loads issued before the current tile's products.
-TOKEN_ROPE = True
-PREFETCH_KV = True
 
 
 @triton.jit
@@ -88,7 +84,7 @@ def _tree_attn_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_M: tl.constexpr, NEW_P: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TOKEN_ROPE: tl.constexpr, PREFETCH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -127,27 +123,16 @@ def _tree_attn_kernel(
         q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
         qa = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
         qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
-        if TOKEN_ROPE:  # cos and sin once per query token, then shared by its GROUP rows
-            TOK_P: tl.constexpr = BLOCK_M // GROUP_P
-            tt = tl.arange(0, TOK_P)
-            tfreq = (tl.load(pos_ptr + b * q_len + tt, mask=tt < q_len, other=0)
-                     .to(tl.float32)[:, None] * inv[None, :])  # [TOK_P, D]
-            cos = tl.reshape(tl.broadcast_to((tl.cos(tfreq) * rope_scaling)[:, None, :],
-                                             (TOK_P, GROUP_P, HEAD_DIM)), (BLOCK_M, HEAD_DIM))
-            sin = tl.reshape(tl.broadcast_to((sign[None, :] * tl.sin(tfreq)
-                                              * rope_scaling)[:, None, :],
-                                             (TOK_P, GROUP_P, HEAD_DIM)), (BLOCK_M, HEAD_DIM))
-        else:
-            freq = (tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.float32)[:, None]
-                    * inv[None, :])
-            cos = tl.cos(freq) * rope_scaling
-            sin = sign[None, :] * tl.sin(freq) * rope_scaling
+        freq = (tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.float32)[:, None]
+                * inv[None, :])
+        cos = tl.cos(freq) * rope_scaling
+        sin = sign[None, :] * tl.sin(freq) * rope_scaling
         q = _rotate(qa, qb, cos, sin).to(qa.dtype)  # [BLOCK_M, D]
         if lo < hi:
             m_i, l_i, acc = _attend_cached(q, k, v, col_ok, lo, hi, bt_row, k_base, v_base, d,
                                            stride_kb, stride_ks, stride_vb, stride_vs,
                                            scale_log2, BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                                           DOT_PRECISION, PREFETCH)
+                                           DOT_PRECISION)
         else:
             m_i, l_i, acc = _softmax_start(BLOCK_M, HEAD_DIM)
         if owner:  # the step's own columns: rotate k, write k and v, score them
@@ -266,7 +251,6 @@ def tree_attention(
         BLOCK_N=block_n or (64 if d <= 128 else 32), BLOCK_SIZE=bs, NUM_SPLITS=splits,
         HAS_MASK=has_mask,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        TOKEN_ROPE=TOKEN_ROPE, PREFETCH=PREFETCH_KV,
         num_warps=num_warps or 8,
     )
     if splits > 1:
