@@ -10,9 +10,11 @@
 #            kernel's tile and warp choices (bench/gpu_decode_attn.py --kernels-only);
 #   runner:  the attention tests and the few-row matmul's in bf16, then the runner's
 #            batch-1 cost curve under alternated settings (bench/gpu_verify_attn.py
-#            --skip-kernels).
+#            --skip-kernels);
+#   tiles:   the few-row matmul's tile candidates per layer role and the attention kernels'
+#            split, tile and warp choices, per layer in 32-layer graphs (bench/gpu_tiles.py).
 # Needs nothing from the network. From the repo root:
-#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|verify|runner|all]
+#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|verify|runner|tiles|all]
 set -uo pipefail
 out="${1:-${OUT:-bench/results/tmp}}"
 part="${2:-all}"
@@ -47,5 +49,8 @@ export PYTHONUNBUFFERED=1
       --noconftest -p no:cacheprovider tests/test_decode_attention.py tests/test_fused_ops.py \
       -k "decode or tree or fuses or residual_linear or candidates" 2>&1 | tail -5
     timeout 400 python3 bench/gpu_verify_attn.py --out "$out" --skip-kernels
+  fi
+  if [ "$part" = tiles ]; then
+    SPECDEC_SKINNY_TUNE=0 timeout 560 python3 bench/gpu_tiles.py --out "$out"
   fi
 } 2>&1 | tee "$out/gpu_run_${part}.log"
