@@ -54,9 +54,8 @@ _LOG2E = 1.4426950408889634
 # 11.0 against 14.0 us for the launches it replaces at 2 rows, 13.8 / 17.8 at 8
 # (bench/results/gpu_tiles_h200_20261201.json); in the whole captured step at 8 rows, the same
 # as those launches (4.72 ms per step both, gpu_verify_attn_h200_20261201_tree8.json). Before
-# the owner had a program of its own,
-# slower at 16 rows (23.0 / 21.6) and at batch 8 (8 rows 41.8 / 33.5)
-# (bench/results/gpu_verify_attn_h200_20261130*.json).
+# the owner had a program of its own, slower at 16 rows (23.0 / 21.6) and at batch 8 (8 rows
+# 41.8 / 33.5) (bench/results/gpu_verify_attn_h200_20261130*.json).
 MAX_Q = 8
 MAX_SEQS = 4
 KERNEL_MAX_Q = 16
