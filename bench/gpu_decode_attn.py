@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_setup as gs
 
+from specdec.graph_tuning import replay_ms
+
 HQ, HKV, D, BS, LAYERS = 32, 8, 128, 16, 32
 
 
@@ -42,15 +44,9 @@ def graph_us(fn, reps: int = 20) -> float:
     with torch.cuda.graph(g):
         for i in range(LAYERS):
             fn(i)
-    for _ in range(3):
+    for _ in range(2):
         g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps / LAYERS
+    return replay_ms(g, reps) * 1e3 / LAYERS  # after a third untimed replay
 
 
 def kernels_at(bsz: int, rows: list) -> None:
@@ -142,7 +138,7 @@ def engine_ab(out: dict, bw: float) -> None:
             segs = gs.step_segments(engine, bsz, 1, gs.CTX)
             row[f"step_ms_b{bsz}"] = gs.time_steps(engine, segs, iters=40) * 1e3
             graph, _ = runner.graphs.graphs[(bsz, 1)]
-            row[f"graph_only_ms_b{bsz}"] = runner.graphs._replay_ms(graph, reps=40)
+            row[f"graph_only_ms_b{bsz}"] = replay_ms(graph, reps=40)
         row["step_fraction_of_roofline_b1"] = floor * 1e3 / row["step_ms_b1"]
         r = run_requests(engine, [prompt], {"method": "none"}, 128, f"ab-{len(res)}")
         row["engine_b1_tokens_per_s"] = r.rate

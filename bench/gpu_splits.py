@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--splits", default="1,2,3,4,6,8")
     args = ap.parse_args()
     from specdec.cuda_graphs import GraphRunner
+    from specdec.graph_tuning import replay_ms
 
     backend = check_triton()
     engine = build_engine(make_model_dir(Path(tempfile.mkdtemp()), "llama-3.1-8b-shape"),
@@ -45,7 +46,7 @@ def main() -> None:
             graphs.graphs.pop((b, q), None)
             engine.runner.execute(segs)  # captures the bucket with `s` splits
             graph, _ = graphs.graphs[(b, q)]
-            row[str(s)] = graphs._replay_ms(graph, reps=20)
+            row[str(s)] = replay_ms(graph, reps=20)
         GraphRunner.num_splits = default
         graphs.graphs.pop((b, q), None)
         res["buckets"][spec] = row

@@ -118,7 +118,7 @@ def step_profile(out: dict) -> None:
     # again (alone, then in the graph), time again.
     for trial in range(1):
         skinny_tiles.forget()
-        gr._tuned_keys.clear()
+        gr.tuned_keys.clear()
         for rows in (1, 8):
             out.setdefault(f"retuned_graph_step_ms_rows_{rows}", []).append(graphed(engine, rows))
         gs.log(f"retuned {trial}: {gr.tuned}")

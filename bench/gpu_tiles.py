@@ -8,7 +8,9 @@ or KV, so nothing is served from L2 that a real step would read from memory).
    count, sorted by time.
 2. Tree attention at 2 and 8 rows (batch 1, binary-tree mask, 1k context), and decode
    attention at 1: split counts, KV tile widths and warps, against rotary + KV write, paged
-   attention and the merge as launches.
+   attention and the merge as launches. The tree kernel's last split takes only the step's own
+   columns, so S splits share the cached columns among S - 1 programs: at 1k context and
+   64-column tiles, 9 and 17 splits give each busy program 2 and 1 tiles, 8 and 16 give 3 and 2.
 
 Earlier results: bench/results/gpu_tiles_h200_20261201.json (tree variants "alone" had the
 step's own columns in a program of their own, the others in the last cached split, as before
@@ -119,7 +121,8 @@ def attention_at(rows: int) -> dict:
 
     row: dict = {}
     tiles = (((16, 32, 4), (32, 32, 4)) if rows == 1 else
-             ((4, 64, 8), (8, 64, 8), (16, 64, 8), (16, 32, 8), (32, 32, 8)))
+             ((4, 64, 8), (8, 64, 8), (9, 64, 8), (16, 64, 8), (17, 64, 8), (16, 32, 8),
+              (32, 32, 8)))
     for splits, bn, warps in tiles:
         if rows > 1 and bn == 64:
             row[f"two_launch s{splits}"] = graph_us(lambda i, s=splits: two_launch(i, s))

@@ -17,15 +17,9 @@ Padding, and why it is harmless:
 Steps outside the buckets (long prefill chunks, more sequences than the largest bucket, steps
 that capture hidden layers) run eagerly: `execute` returns None for them.
 
-Tile sizes of the step's few-row matmuls are first chosen per kernel, timed alone (cold, with
-no neighbours); a tile that wins alone does not always win between the step's other kernels.
-So on a bucket's first capture each matmul's tiles are re-chosen by timing the whole captured
-step with every candidate, one matmul at a time, keeping a change only when the step gets
-faster (`tune`, on unless SPECDEC_TUNE_GRAPHS=0; a few seconds per row count, once: buckets
-with the same rows per step share the choice). Before that, the bucket's split-KV count is
-chosen the same way among a few counts below the heuristic's (`split_candidates`).
-`capture_all` does every bucket up front, so that no step waits for a capture (the server
-calls it at start).
+On a bucket's first capture its KV split count and matmul tiles are timed in the whole captured
+step, on a placeholder step at a fixed context (`specdec/graph_tuning.py`). `capture_all` does
+every bucket up front, so that no step waits for a capture (the server calls it at start).
 """
 
 from __future__ import annotations
@@ -38,6 +32,13 @@ import numpy as np
 import torch
 
 from specdec.attention import AttentionMetadata
+from specdec.graph_tuning import (
+    Outputs,
+    heuristic_splits,
+    tune_splits,
+    tune_tiles,
+    tuning_segments,
+)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 TOKENS_PER_SEQ = (1, 2, 4, 8, 16, 32, 64)
@@ -87,9 +88,6 @@ class Layout:
     @property
     def nbytes(self) -> int:
         return self.at_mask + self.nmask
-
-
-Outputs = tuple[torch.Tensor, "torch.Tensor | None"]  # a graph's hidden states, logits
 
 
 def pick_bucket(segments: list[Any], width: int, block_size: int,
@@ -200,22 +198,6 @@ class _FixedSplits:
                                  meta, scale, num_splits=self.splits)
 
 
-def split_candidates(first: int) -> list[int]:
-    """Split counts timed against the heuristic's `first`: the powers of two from first // 4 (or
-    1) up to, not including, first (at batch 1 of Llama-3.1-8B heads on the H200, tree attention
-    over 8 rows took 15.3 us per layer at 16 splits against 21.0 at the heuristic's 32)."""
-    s = 1 << max(0, (first // 4).bit_length() - 1)
-    out = []
-    while s < first:
-        out.append(s)
-        s *= 2
-    return out
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 class GraphRunner:
     """Captures (lazily, on a bucket's first step) and replays the model's forward pass."""
 
@@ -238,26 +220,15 @@ class GraphRunner:
         self.eager_steps = 0
         self.tune = os.environ.get("SPECDEC_TUNE_GRAPHS", "1") != "0"
         self.tuned: dict[tuple[int, int], dict] = {}  # per bucket: step ms before/after, trials
-        self._tuned_keys: set[tuple] = set()
+        self.tuned_keys: set[tuple] = set()  # matmul keys whose tiles were tuned in a graph
         self.splits: dict[tuple[int, int], int] = {}  # per bucket: split count chosen by timing
 
     def num_splits(self, b: int, q: int) -> int:
         """Split-KV partitions for a bucket: the count timed best at its capture, else the
-        heuristic below, sized for the longest context it may see."""
+        heuristic's (graph_tuning.heuristic_splits)."""
         if (b, q) in self.splits:
             return self.splits[(b, q)]
-        gp = _pow2(self.hq // self.hkv)
-        block_q = max(16, gp, min(64, _pow2(q * gp))) // gp
-        programs = b * self.hkv
-        if q > block_q or programs >= self.sms:
-            return 1
-        longest = self.width * self.block_size
-        # The kernel spreads the step's actual context over the splits, so plenty of splits
-        # cost little at short contexts and keep each program to about one tile at 1-2k.
-        # Decode attention (one row) takes 32-column tiles from 16 splits up and aims at about
-        # 4 programs per SM (bench/results/gpu_decode_attn_h200_20261130_tiles.json).
-        per_sm, tile = (4, 32) if q == 1 else (2, 64)
-        return max(1, min(-(-per_sm * self.sms // programs), longest // tile, 32))
+        return heuristic_splits(b, q, self.hq, self.hkv, self.sms, self.width * self.block_size)
 
     def execute(self, segments: list[Any], token_source: torch.Tensor | None = None):
         """The step's StepOutput through a graph, or None when the step must run eagerly.
@@ -269,17 +240,13 @@ class GraphRunner:
             self.eager_steps += 1
             return None
         lay = Layout(key[0], key[1], self.width)
-        self._copied.synchronize()  # the previous step's copy has read the pinned buffer
-        h64, h32, hmask = self._views(self.hbuf, lay)
-        n_rows, offsets = pack_step(segments, lay, h64.numpy(), h32.numpy(), hmask.numpy())
-        self.dbuf[:lay.nbytes].copy_(self.hbuf[:lay.nbytes], non_blocking=True)
-        self._copied.record()
+        if key not in self.graphs:
+            self._capture(lay)
+        n_rows, offsets = self._stage(segments, lay)
         d64 = self._views(self.dbuf, lay)[0]
         if token_source is not None:
             assert lay.q == 1, "token_source needs one-row segments"
             d64[:len(segments)].copy_(token_source)  # after the staged ids, same stream
-        if key not in self.graphs:
-            self._capture(lay)
         graph, (hidden, logits) = self.graphs[key]
         graph.replay()
         self.replays += 1
@@ -294,21 +261,25 @@ class GraphRunner:
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int, max_q: int) -> int:
-        """Capture every bucket up to `max_batch` sequences of `max_q` rows (tiles tuned on
-        the way), on placeholder steps that write no KV. Returns how many were captured."""
-        from specdec.model_runner import Segment
-
+        """Capture every bucket up to `max_batch` sequences of `max_q` rows (tuned on the
+        way). Returns how many were captured."""
         n = 0
         for b in (x for x in BATCH_SIZES if x <= max_batch):
             for q in (x for x in TOKENS_PER_SEQ if x <= max_q and b * x <= MAX_GRAPH_TOKENS):
-                if (b, q) in self.graphs:
-                    continue
-                segs = [Segment([0] * q, list(range(q)), [-1] * q, 0, [0],
-                                logits_rows=tuple(range(q))) for _ in range(b)]
-                self.execute(segs)
-                n += 1
+                if (b, q) not in self.graphs:
+                    self._capture(Layout(b, q, self.width))
+                    n += 1
         torch.cuda.synchronize(self.device)
         return n
+
+    def _stage(self, segments: list[Any], lay: Layout) -> tuple[int, list[int]]:
+        """Pack `segments` into the pinned buffer and queue its one copy to the device."""
+        self._copied.synchronize()  # the previous step's copy has read the pinned buffer
+        h64, h32, hmask = self._views(self.hbuf, lay)
+        packed = pack_step(segments, lay, h64.numpy(), h32.numpy(), hmask.numpy())
+        self.dbuf[:lay.nbytes].copy_(self.hbuf[:lay.nbytes], non_blocking=True)
+        self._copied.record()
+        return packed
 
     @staticmethod
     def _views(buf: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -316,85 +287,36 @@ class GraphRunner:
         return (buf[:lay.at32].view(torch.int64), buf[lay.at32:lay.at_mask].view(torch.int32),
                 buf[lay.at_mask:lay.nbytes].view(torch.bool))
 
-    def _forward(self, lay: Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, lay: Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([T, hidden], and with one row per sequence its [T, V] logits: the LM head joins
-        the graph where every row has logits)."""
+        the graph where every row has logits), on the staged inputs."""
         ids, pos, meta = padded_metadata(lay, *self._views(self.dbuf, lay), self.block_size)
         backend = _FixedSplits(self.backend, self.num_splits(lay.batch, lay.q))
         hidden, _ = self.model(ids, pos, meta, self.kv, backend)
         return hidden, self.model.compute_logits(hidden) if lay.q == 1 else None
 
-    def _capture(self, lay: Layout) -> None:
-        from verify_kernels import skinny_tiles
-
-        # The staged inputs are the current step's, so the warm-up (which compiles the kernels)
-        # and every timed replay write the same KV slots that the step's own replay then
-        # writes last: the step stays exact.
-        with skinny_tiles.recording_keys() as keys:
-            self._forward(lay)
-        keys = [k for k in keys if k not in self._tuned_keys]
-        graph, outs = self._graph(lay)
-        if self.tune:
-            graph, outs = self._tune_splits(lay, graph, outs)
-        if self.tune and keys:
-            graph, outs = self._tune_in_graph(lay, keys, graph, outs)
-        self.graphs[(lay.batch, lay.q)] = (graph, outs)
-
-    def _tune_splits(self, lay: Layout, graph: torch.cuda.CUDAGraph, outs: Outputs
-                     ) -> tuple[torch.cuda.CUDAGraph, Outputs]:
-        """Time the bucket's step with fewer KV splits than the heuristic's (split_candidates):
-        the merge and uneven split lengths can cost more than the parallelism gains (H200: 3
-        splits at 16 sequences of 8 rows 11% slower than 2; bench/gpu_splits.py)."""
-        key = (lay.batch, lay.q)
-        first = self.num_splits(*key)
-        best, kept = self._replay_ms(graph), first
-        for s in split_candidates(first):
-            self.splits[key] = s
-            self._forward(lay)  # compiles this split count's kernels outside the capture
-            g, o = self._graph(lay)
-            t = self._replay_ms(g)
-            if t < best * 0.997:  # past replay noise
-                best, kept, graph, outs = t, s, g, o
-        self.splits[key] = kept
-        self.tuned.setdefault(key, {})["splits"] = {"heuristic": first, "chosen": kept}
-        return graph, outs
-
-    def _graph(self, lay: Layout) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    def capture(self, lay: Layout) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+        """A graph of `forward` with the current split count and tiles."""
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outs = self._forward(lay)
+            outs = self.forward(lay)
         return graph, outs
 
-    def _replay_ms(self, graph: torch.cuda.CUDAGraph, reps: int = 8) -> float:
-        graph.replay()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / reps
-
-    def _tune_in_graph(self, lay: Layout, keys: list[tuple], graph: torch.cuda.CUDAGraph,
-                       outs: Outputs) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    def _capture(self, lay: Layout) -> None:
+        """The bucket's graph, captured and tuned on a placeholder step that writes no KV
+        (graph_tuning.tuning_segments); the caller stages its own step afterwards."""
         from verify_kernels import skinny_tiles
 
-        first = best = self._replay_ms(graph)
-        trials = 0
-        for key in keys:
-            kept = skinny_tiles.config_of(key)
-            for cfg in skinny_tiles.candidates(key):
-                if cfg == kept:
-                    continue
-                skinny_tiles.set_config(key, cfg)
-                g, o = self._graph(lay)
-                t = self._replay_ms(g)
-                trials += 1
-                if t < best * 0.997:  # past replay noise
-                    best, kept, graph, outs = t, cfg, g, o
-            skinny_tiles.set_config(key, kept)
-            self._tuned_keys.add(key)
-        self.tuned.setdefault((lay.batch, lay.q), {}).update(
-            {"step_ms_alone_tuned": first, "step_ms": best, "trials": trials})
-        return graph, outs
+        segs = tuning_segments(lay.batch, lay.q, self.width, self.block_size, self.kv.shape[2])
+        self._stage(segs, lay)
+        with skinny_tiles.recording_keys() as keys:
+            self.forward(lay)  # compiles the kernels (and times new matmul shapes alone)
+        keys = [k for k in keys if k not in self.tuned_keys]
+        graph, outs = self.capture(lay)
+        if self.tune:
+            self.tuned.setdefault((lay.batch, lay.q), {})["context"] = segs[0].context_len
+            graph, outs = tune_splits(self, lay, graph, outs)
+        if self.tune and keys:
+            graph, outs = tune_tiles(self, lay, keys, graph, outs)
+        self.graphs[(lay.batch, lay.q)] = (graph, outs)

@@ -14,9 +14,9 @@ from specdec.cuda_graphs import (
     pack_step,
     padded_metadata,
     pick_bucket,
-    split_candidates,
 )
 from specdec.engine import LLMEngine
+from specdec.graph_tuning import heuristic_splits, split_candidates, tuning_segments
 from specdec.model_runner import Segment
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
@@ -96,6 +96,47 @@ def test_split_candidates_are_fewer_powers_of_two():
     assert split_candidates(3) == [1, 2] and split_candidates(5) == [1, 2, 4]
     assert split_candidates(9) == [2, 4, 8] and split_candidates(8) == [2, 4]
     assert split_candidates(16) == [4, 8] and split_candidates(32) == [8, 16]
+
+
+@pytest.mark.parametrize("batch,q,context", [(1, 8, 40), (4, 2, 1000), (8, 1, 16)])
+def test_tuning_step_reads_context_and_writes_nothing(engine, batch, q, context):
+    """The placeholder step buckets are tuned on: every sequence present at the tuning context
+    (capped by the block table), in blocks of its own, runs through the padded path with
+    finite outputs and leaves the KV cache as it was."""
+    runner, width = engine.runner, 8
+    bs, nb = runner.block_size, runner.kv.shape[2]
+    segs = tuning_segments(batch, q, width, bs, nb, context)
+    assert pick_bucket(segs, width, bs) == (batch, q)
+    ctx = min(context, width * bs - q)
+    assert all(s.context_len == ctx and len(s.block_table) == -(-(ctx + q) // bs) for s in segs)
+    blocks = [b for s in segs for b in s.block_table]
+    assert len(set(blocks)) == min(len(blocks), nb)
+    lay = Layout(batch, q, width)
+    h64 = np.zeros(lay.n64, dtype=np.int64)
+    h32 = np.zeros(lay.n32, dtype=np.int32)
+    hmask = np.zeros(max(lay.nmask, 1), dtype=bool)
+    pack_step(segs, lay, h64, h32, hmask)
+    ids, pos, meta = padded_metadata(lay, torch.from_numpy(h64), torch.from_numpy(h32),
+                                     torch.from_numpy(hmask), bs, (ctx,) * batch)
+    kept = runner.kv.clone()
+    runner.kv.normal_()  # finite garbage, as in a used cache
+    before = runner.kv.clone()
+    with torch.inference_mode():
+        hidden, _ = runner.model(ids, pos, meta, runner.kv, _SkipPadding())
+    assert torch.isfinite(hidden).all()
+    assert torch.equal(runner.kv, before)
+    runner.kv.copy_(kept)
+
+
+def test_heuristic_splits():
+    # Llama-3.1-8B heads (32 / 8) on 132 SMs, 4k tokens of block table.
+    assert heuristic_splits(1, 1, 32, 8, 132, 4096) == 32
+    assert heuristic_splits(1, 8, 32, 8, 132, 4096) == 32
+    assert heuristic_splits(4, 8, 32, 8, 132, 4096) == 9
+    assert heuristic_splits(16, 1, 32, 8, 132, 4096) == 5
+    assert heuristic_splits(32, 4, 32, 8, 132, 4096) == 1  # 256 programs fill the SMs
+    assert heuristic_splits(1, 32, 32, 8, 132, 4096) == 1  # rows past one query tile
+    assert heuristic_splits(1, 8, 32, 8, 132, 256) == 4  # a short model: one tile each
 
 
 def test_pick_bucket_limits():

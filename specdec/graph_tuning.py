@@ -1,0 +1,133 @@
+"""The choices a CUDA graph bucket fixes at capture (`cuda_graphs.GraphRunner`): its KV split
+count and the tiles of its few-row matmuls, both re-timed in the whole captured step.
+
+Tiles are first chosen per kernel, timed alone (cold, with no neighbours); a tile that wins
+alone does not always win between the step's other kernels. So on a bucket's first capture the
+split count is timed among a few counts below the heuristic's (`split_candidates`), then each
+matmul's tiles are re-chosen by replaying the step with every candidate, one matmul at a time,
+keeping a change only when the step gets faster (a few seconds per row count, once: buckets
+with the same rows per step share the tiles). SPECDEC_TUNE_GRAPHS=0 skips both.
+
+Both are timed on a placeholder step (`tuning_segments`), never on the step that triggered the
+capture: every sequence of the bucket present, each with TUNE_CONTEXT tokens of context
+(SPECDEC_TUNE_CONTEXT, default 1024, capped by the model's length) in distinct cache blocks,
+and nothing written to the cache. Attention time depends on the context, and the fastest split
+count with it: timed on the first real step, or on empty placeholders as before, the choice
+followed whatever context that step happened to have (with none, the fewest splits, whose merge
+is cheapest, won buckets whose later steps read 1k tokens and more).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+TUNE_CONTEXT = int(os.environ.get("SPECDEC_TUNE_CONTEXT", "1024"))
+
+Outputs = tuple[torch.Tensor, "torch.Tensor | None"]  # a graph's hidden states, logits
+
+
+def tuning_segments(batch: int, q: int, width: int, block_size: int, num_blocks: int,
+                    context: int = TUNE_CONTEXT) -> list[Any]:
+    """`batch` segments of `q` rows, each over `context` cached tokens (at most what a width-W
+    block table holds) in blocks of its own (wrapping round the pool when it is small): the
+    reads of a real step at that context. Slots are -1, so the step writes no KV; the cache
+    holds finite values everywhere, so the garbage it reads stays finite."""
+    from specdec.model_runner import Segment
+
+    ctx = max(0, min(context, width * block_size - q))
+    n = -(-(ctx + q) // block_size)
+    return [Segment([0] * q, list(range(ctx, ctx + q)), [-1] * q, ctx,
+                    [(i * n + j) % num_blocks for j in range(n)], logits_rows=tuple(range(q)))
+            for i in range(batch)]
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def heuristic_splits(b: int, q: int, hq: int, hkv: int, sms: int, longest: int) -> int:
+    """Split-KV partitions for `b` sequences of `q` rows before any timing, sized for the
+    longest context a step may have."""
+    gp = _pow2(hq // hkv)
+    block_q = max(16, gp, min(64, _pow2(q * gp))) // gp
+    programs = b * hkv
+    if q > block_q or programs >= sms:
+        return 1
+    # The kernel spreads the step's actual context over the splits, so plenty of splits
+    # cost little at short contexts and keep each program to about one tile at 1-2k.
+    # Decode attention (one row) takes 32-column tiles from 16 splits up and aims at about
+    # 4 programs per SM (bench/results/gpu_decode_attn_h200_20261130_tiles.json).
+    per_sm, tile = (4, 32) if q == 1 else (2, 64)
+    return max(1, min(-(-per_sm * sms // programs), longest // tile, 32))
+
+
+def split_candidates(first: int) -> list[int]:
+    """Split counts timed against the heuristic's `first`: the powers of two from first // 4 (or
+    1) up to, not including, first (at batch 1 of Llama-3.1-8B heads on the H200, tree attention
+    over 8 rows took 15.3 us per layer at 16 splits against 21.0 at the heuristic's 32)."""
+    s = 1 << max(0, (first // 4).bit_length() - 1)
+    out = []
+    while s < first:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 8) -> float:
+    """Milliseconds per replay of `graph` (after one untimed replay)."""
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def tune_splits(runner: Any, lay: Any, graph: torch.cuda.CUDAGraph, outs: Outputs
+                ) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    """The bucket's graph at the fastest of its heuristic split count and `split_candidates`:
+    the merge and uneven split lengths can cost more than the parallelism gains (H200: 3 splits
+    at 16 sequences of 8 rows 11% slower than 2; bench/gpu_splits.py)."""
+    key = (lay.batch, lay.q)
+    first = runner.num_splits(*key)
+    best, kept = replay_ms(graph), first
+    for s in split_candidates(first):
+        runner.splits[key] = s
+        runner.forward(lay)  # compiles this split count's kernels outside the capture
+        g, o = runner.capture(lay)
+        t = replay_ms(g)
+        if t < best * 0.997:  # past replay noise
+            best, kept, graph, outs = t, s, g, o
+    runner.splits[key] = kept
+    runner.tuned.setdefault(key, {})["splits"] = {"heuristic": first, "chosen": kept}
+    return graph, outs
+
+
+def tune_tiles(runner: Any, lay: Any, keys: list[tuple], graph: torch.cuda.CUDAGraph,
+               outs: Outputs) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    """The bucket's graph with each matmul key's tile re-chosen in the whole step."""
+    from verify_kernels import skinny_tiles
+
+    first = best = replay_ms(graph)
+    trials = 0
+    for key in keys:
+        kept = skinny_tiles.config_of(key)
+        for cfg in skinny_tiles.candidates(key):
+            if cfg == kept:
+                continue
+            skinny_tiles.set_config(key, cfg)
+            g, o = runner.capture(lay)
+            t = replay_ms(g)
+            trials += 1
+            if t < best * 0.997:  # past replay noise
+                best, kept, graph, outs = t, cfg, g, o
+        skinny_tiles.set_config(key, kept)
+        runner.tuned_keys.add(key)
+    runner.tuned.setdefault((lay.batch, lay.q), {}).update(
+        {"step_ms_alone_tuned": first, "step_ms": best, "trials": trials})
+    return graph, outs
