@@ -210,7 +210,7 @@ class GraphRunner:
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         mb, mt, mq = max(BATCH_SIZES), MAX_GRAPH_TOKENS, max(TOKENS_PER_SEQ)
         most = 8 * (4 * mt + mb) + 4 * (3 * mb + 1 + mb * width) + mt * mq  # >= any nbytes
-        self.hbuf = torch.zeros(most, dtype=torch.uint8, pin_memory=True)
+        self.hbuf = torch.zeros(most, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.dbuf = torch.zeros(most, dtype=torch.uint8, device=device)
         self._copied = torch.cuda.Event()
         self._copied.record()

@@ -1,15 +1,24 @@
 """The graph runner's padded inputs compute the same logits as the eager step (on the CPU,
-through the reference backend); capture and replay themselves run on CUDA only."""
+through the reference backend); the runner's capture, tuning and replay flow on the CPU with a
+stand-in for CUDA graphs (the Triton path under the interpreter); real capture on CUDA only."""
 
 from __future__ import annotations
+
+import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from drafters.tree import DraftTree
+from specdec import graph_tuning
 from specdec.attention import TorchAttentionBackend, write_kv_ref
 from specdec.cuda_graphs import (
+    GraphRunner,
     Layout,
     pack_step,
     padded_metadata,
@@ -166,3 +175,83 @@ def test_graph_replay_matches_eager_on_cuda(tiny_llama):
         out = eng.runner.execute([seg]).logits
         torch.testing.assert_close(out, eager, rtol=2e-3, atol=2e-3)
     assert graphs.replays == before + 2
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Replay:
+    """Stands in for a captured graph: a replay runs the runner's forward again on the staged
+    inputs and writes the results into the tensors the capture returned, as a graph does."""
+
+    def __init__(self, runner: GraphRunner, lay: Layout) -> None:
+        self.runner, self.lay = runner, lay
+        self.splits = runner.num_splits(lay.batch, lay.q)
+        self.contexts = runner._views(runner.dbuf, lay)[1][lay.batch + 1:2 * lay.batch + 1].tolist()
+        self.outs = runner.forward(lay)
+        _CAPTURED.append(self)
+
+    def replay(self) -> None:
+        hidden, logits = self.runner.forward(self.lay)
+        self.outs[0].copy_(hidden)
+        if logits is not None:
+            self.outs[1].copy_(logits)
+
+
+_CAPTURED: list[_Replay] = []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for CUDA graphs")
+def test_runner_tunes_on_placeholders_and_replays_exactly(tiny_llama, monkeypatch):
+    """capture_all tunes each bucket on its placeholder step without touching the KV cache; a
+    verification step in a new bucket is captured and tuned the same way before its own inputs
+    are staged; it and the decode step after it run with the split counts the tuning kept
+    (timed here so that one split always wins) and give the eager path's logits."""
+    _CAPTURED.clear()
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(multi_processor_count=8))
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(GraphRunner, "capture", lambda self, lay: (
+        (g := _Replay(self, lay)), g.outs))
+    monkeypatch.setattr(graph_tuning, "replay_ms", lambda g: 1.0 if g.splits == 1 else 2.0)
+    eng = LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"},
+                              attention_backend="triton", num_blocks=40)
+    eng.runner.model.fused = True
+    runner = GraphRunner(eng.runner.model, eng.runner.kv, eng.runner.backend,
+                         eng.runner.block_size, 8, torch.device("cpu"))
+    assert runner.tune
+    before = eng.runner.kv.clone()
+    with torch.inference_mode():
+        assert runner.capture_all(1, 2) == 2  # (1, 1) and (1, 2); (1, 4) on its first step
+    assert torch.equal(eng.runner.kv, before)
+    ctx = 8 * eng.runner.block_size
+    seq = _prefilled(eng, "t", [3, 9, 4, 17, 22, 5, 8, 30, 31, 2, 6], 3)
+    seg = _step_segment(eng, seq, [11, 12, 13], [-1, 0, 0])
+    with torch.inference_mode():
+        eager = eng.runner.execute([seg]).logits
+        graphed = runner.execute([seg]).logits  # captured and tuned first, then replayed
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    assert _CAPTURED and all(g.contexts == [ctx - g.lay.q] for g in _CAPTURED)
+    for q in (1, 2, 4):
+        tuned = runner.tuned[(1, q)]
+        assert tuned["context"] == ctx - q
+        assert tuned["splits"]["heuristic"] > 1 and tuned["splits"]["chosen"] == 1
+    eng.blocks.commit(seq, seq.num_computed + 2)  # the root and its first child accepted
+    assert eng.blocks.reserve(seq, 1)
+    step = Segment([40], [seq.num_computed], [eng.blocks.slot(seq, seq.num_computed)],
+                   seq.num_computed, list(seq.block_table), logits_rows=(0,))
+    with torch.inference_mode():
+        eager = eng.runner.execute([step]).logits
+        graphed = runner.execute([step]).logits
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    assert runner.replays == 2 and runner.eager_steps == 0
