@@ -10,6 +10,10 @@ Also programmatic dependent launch on and off (verify_kernels/pdl.py).
    fused kernel off and on, alternated: graph step time, its part outside the graph (the LM
    head and what follows), and engine tokens/s against the roofline.
 
+3. A torch.profiler timeline of steady batch-1 decoding: per-kernel GPU time and the idle
+   gaps between kernels. `--timeline-only --model qwen2.5-7b-shape` runs this part alone on
+   another shape (the Qwen shape decodes at 82% of its roofline against Llama's 86%).
+
     PYTHONPATH=. python3 bench/gpu_decode_attn.py --out DIR   (writes DIR/gpu_decode_attn.json)
 """
 
@@ -110,19 +114,22 @@ def kernels(out: dict) -> None:
     out["kernels_per_layer"] = rows
 
 
-def engine_ab(out: dict, bw: float) -> None:
+def engine_ab(out: dict, bw: float, name: str = "llama-3.1-8b-shape",
+              timeline_only: bool = False) -> None:
     from gpu_engine import run_requests
 
     tmp = Path(tempfile.mkdtemp())
-    name = "llama-3.1-8b-shape"
     engine = gs.build_engine(gs.make_model_dir(tmp, name), "triton", num_blocks=2600)
     engine.runner.kv.normal_()
     m = engine.runner.model
     floor = (gs.weight_bytes(m) + gs.kv_bytes(engine.config.model, gs.CTX)) / bw
-    out["roofline_ms"] = floor * 1e3
+    out["model"], out["roofline_ms"] = name, floor * 1e3
     runner = engine.runner
     backend = runner.backend
     prompt = torch.randint(100, runner.vocab_size, (gs.CTX,)).tolist()
+    if timeline_only:
+        out["engine_timeline_b1"] = timeline(engine, prompt)
+        return
     res = []
     from verify_kernels import pdl
 
@@ -215,18 +222,21 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--kernels-only", action="store_true")
+    ap.add_argument("--timeline-only", action="store_true",
+                    help="only the engine's batch-1 GPU timeline (no kernel or A/B parts)")
+    ap.add_argument("--model", default="llama-3.1-8b-shape", help="the shape of parts 2 and 3")
     args = ap.parse_args()
     out = gs.run_info()
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     bw = gs.copy_bandwidth()
     out["copy_bandwidth_bytes_per_s"] = bw
-    if not args.skip_kernels:
+    if not (args.skip_kernels or args.timeline_only):
         kernels(out)
         (path / "gpu_decode_attn.json").write_text(json.dumps(out, indent=1))
         if args.kernels_only:
             return
-    engine_ab(out, bw)
+    engine_ab(out, bw, args.model, args.timeline_only)
     (path / "gpu_decode_attn.json").write_text(json.dumps(out, indent=1))
 
 

@@ -12,9 +12,11 @@
 #            batch-1 cost curve under alternated settings (bench/gpu_verify_attn.py
 #            --skip-kernels);
 #   tiles:   the few-row matmul's tile candidates per layer role and the attention kernels'
-#            split, tile and warp choices, per layer in 32-layer graphs (bench/gpu_tiles.py).
+#            split, tile and warp choices, per layer in 32-layer graphs (bench/gpu_tiles.py);
+#   timeline: the engine's steady batch-1 GPU timeline per kernel on both shapes, Qwen's in
+#            OUT/qwen2 and Llama's in OUT/llama (bench/gpu_decode_attn.py --timeline-only).
 # Needs nothing from the network. From the repo root:
-#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|verify|runner|tiles|all]
+#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|verify|runner|tiles|timeline|all]
 set -uo pipefail
 out="${1:-${OUT:-bench/results/tmp}}"
 part="${2:-all}"
@@ -49,6 +51,12 @@ export PYTHONUNBUFFERED=1
       --noconftest -p no:cacheprovider tests/test_decode_attention.py tests/test_fused_ops.py \
       -k "decode or tree or fuses or residual_linear or candidates" 2>&1 | tail -5
     timeout 400 python3 bench/gpu_verify_attn.py --out "$out" --skip-kernels
+  fi
+  if [ "$part" = timeline ]; then
+    for m in qwen2.5-7b-shape llama-3.1-8b-shape; do
+      timeout 240 python3 bench/gpu_decode_attn.py --out "$out/${m%%[.-]*}" --timeline-only \
+        --model "$m"
+    done
   fi
   if [ "$part" = tiles ]; then
     SPECDEC_SKINNY_TUNE=0 timeout 560 python3 bench/gpu_tiles.py --out "$out"
