@@ -24,7 +24,15 @@ from typing import Any
 
 import torch
 
-TUNE_CONTEXT = int(os.environ.get("SPECDEC_TUNE_CONTEXT", "1024"))
+
+def _tune_context() -> int:
+    raw = os.environ.get("SPECDEC_TUNE_CONTEXT", "1024")
+    if not raw.strip().isdigit():
+        raise ValueError(f"SPECDEC_TUNE_CONTEXT must be a number of tokens (>= 0), got {raw!r}")
+    return int(raw)
+
+
+TUNE_CONTEXT = _tune_context()
 
 Outputs = tuple[torch.Tensor, "torch.Tensor | None"]  # a graph's hidden states, logits
 
