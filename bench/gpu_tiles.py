@@ -8,7 +8,7 @@ or KV, so nothing is served from L2 that a real step would read from memory).
    count, sorted by time.
 2. Tree attention at 2 and 8 rows (batch 1, binary-tree mask, 1k context), and decode
    attention at 1: split counts, KV tile widths and warps, against rotary + KV write, paged
-   attention and the merge as launches. The tree kernel's last split takes only the step's own
+   attention and the merge as launches. The tree kernel's first split takes only the step's own
    columns, so S splits share the cached columns among S - 1 programs: at 1k context and
    64-column tiles, 9 and 17 splits give each busy program 2 and 1 tiles, 8 and 16 give 3 and 2.
 

@@ -7,15 +7,20 @@ launches per layer (rope_write_kv, then `paged_attention.py`, which walks a chai
 loads: query starts, the owning sequence, its context, the block table, K, then V). Here:
 
 - q and the new k, v arrive as the qkv matmul wrote them; q is rotated in registers;
-- with NUM_SPLITS > 1, the cached columns [0, context) are spread over the first
-  NUM_SPLITS - 1 programs per (sequence, KV head), each loading its context length, then
-  block-table entries, then K and V together;
-- the last program takes only the step's own Q columns, in parallel with them: it rotates
-  their keys, writes keys and values to the cache at the step's slots, and scores them from
-  registers under the sequence's [Q, Q] mask (causal when it has none). (With one split, the
-  one program does both.) Giving it cached columns as well made it the last to finish: 15.0
-  against 13.8 us per layer at 8 rows, 11.8 against 11.0 at 2 (16 splits,
-  bench/results/gpu_tiles_h200_20261201.json).
+- with NUM_SPLITS > 1, the cached columns [0, context) are spread over programs 1 to
+  NUM_SPLITS - 1 per (sequence, KV head), each loading its context length, then block-table
+  entries, then K and V together;
+- program 0 (the owner) takes only the step's own Q columns, in parallel with them: it
+  rotates their keys, writes keys and values to the cache at the step's slots, and scores them
+  from registers under the sequence's [Q, Q] mask (causal when it has none). (With one split,
+  the one program does both.) Giving it cached columns as well made it the last to finish:
+  15.0 against 13.8 us per layer at 8 rows, 11.8 against 11.0 at 2 (16 splits,
+  bench/results/gpu_tiles_h200_20261201.json). It is split 0 so that it is dispatched first:
+  with 8 warps a program holds about a whole SM's registers (an sm_90 compile with Triton 3.9:
+  255 per thread and a 296-byte stack at 8 rows, 223 at 2), so a grid with more programs
+  than SMs runs in waves, and the owner's chain is the longest. (Those timings had the owner
+  last, where at 8 rows 32 splits took 20.2 us per layer against 13.8 at 16; the move is not
+  yet timed.)
 
 A program's BLOCK_M rows are Q query tokens times the GROUP query heads of its KV head, so each
 K/V tile feeds every row. This is a separate kernel rather than a generalised decode kernel:
@@ -102,14 +107,17 @@ def _tree_attn_kernel(
     inv = tl.load(inv_ptr + d % HALF)
     ctx = tl.load(context_lens_ptr + b)
 
+    owner = split == 0  # takes the step's own columns
     lo = 0
     hi = ctx
     if NUM_SPLITS > 1:
-        per = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS - 1) * BLOCK_N  # the last: none
-        lo = split * per
+        per = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS - 1) * BLOCK_N  # the owner: none
+        lo = (split - 1) * per
         hi = tl.minimum(lo + per, ctx)
-    owner = split == NUM_SPLITS - 1  # takes the step's own columns
-    idle = (lo >= hi) & (split != NUM_SPLITS - 1)
+        if owner:
+            lo = 0
+            hi = 0
+    idle = (lo >= hi) & (split != 0)
     bt_row = block_tables_ptr + b * stride_bt
     k_base = k_cache_ptr + kvh * stride_kh
     v_base = v_cache_ptr + kvh * stride_vh
