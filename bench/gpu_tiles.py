@@ -19,6 +19,8 @@ the current tile's products, as the kernels now do; "rope/token" took rotary ang
 query token: no faster, not kept).
 
     PYTHONPATH=. SPECDEC_SKINNY_TUNE=0 python3 bench/gpu_tiles.py --out DIR
+    (--part matmuls --shape qwen2.5-7b-shape --rows 1 --one-row-all: every tile at one row
+    on the Qwen2.5-7B shape)
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_setup as gs
 from gpu_decode_attn import HKV, HQ, LAYERS, D, graph_us
 
-HIDDEN, INTER = 4096, 14336
+# (hidden, intermediate, q heads, kv heads) of the shapes the matmul part can take.
+SHAPES = {"llama-3.1-8b-shape": (4096, 14336, HQ, HKV), "qwen2.5-7b-shape": (3584, 18944, 28, 4)}
 # Tiles beyond skinny_tiles' candidates: narrow tensor-core tiles with deep pipelines (more
 # programs, more bytes in flight per SM), and FMA tiles as long in K as the one-row ones.
 EXTRA_DOT = ((16, 512, 4, 4, "dot"), (16, 1024, 4, 3, "dot"), (32, 512, 4, 4, "dot"),
@@ -47,14 +50,15 @@ ONE_ROW = {"qkv": (8, 1024, 4, 2, "fma"), "o_proj": (4, 1024, 4, 3, "fma"),
            "gate_up": (8, 1024, 4, 2, "fma"), "down": (4, 1024, 4, 3, "fma")}
 
 
-def role_call(role: str, rows: int):
+def role_call(role: str, rows: int, shape: str = "llama-3.1-8b-shape"):
     """call(layer): the role's matmul at `rows` rows, with the prologue and epilogue the fused
     forward gives it."""
     from verify_kernels.skinny_gemm import ScaledRows, residual_linear, skinny_linear
 
     dev, dt = "cuda", torch.bfloat16
-    n, k = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN), "o_proj": (HIDDEN, HIDDEN),
-            "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}[role]
+    hidden, inter, hq, hkv = SHAPES[shape]
+    n, k = {"qkv": ((hq + 2 * hkv) * D, hidden), "o_proj": (hidden, hidden),
+            "gate_up": (2 * inter, hidden), "down": (hidden, inter)}[role]
     ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
     g = torch.rand(k if role in ("qkv", "gate_up") else n, device=dev, dtype=dt) + 0.5
     x = torch.randn(rows, k, device=dev, dtype=dt)
@@ -66,17 +70,25 @@ def role_call(role: str, rows: int):
     return lambda i: residual_linear(x, ws[i], None, res, next_norm=g)
 
 
-def matmuls(out: dict, save) -> None:
+def matmuls(out: dict, save, shape: str, row_counts: tuple[int, ...],
+            one_row_all: bool) -> None:
+    """Per role and row count, every candidate tile. At one row the tile kept for the Llama
+    shape alone, or with `one_row_all` every one-row FMA tile and every tensor-core tile (the
+    16-row tile with 15 rows masked)."""
     from verify_kernels import skinny_tiles
 
     table = out.setdefault("matmul_us_per_layer", {})
+    out["matmul_shape"] = shape
     for role in ("o_proj", "down", "qkv", "gate_up"):
-        for rows in (1, 2, 4, 8):
-            call = role_call(role, rows)
+        for rows in row_counts:
+            call = role_call(role, rows, shape)
             with skinny_tiles.recording_keys() as keys:
                 call(0)
             key = keys[0]
-            if rows == 1:
+            if rows == 1 and one_row_all:
+                cfgs = dict.fromkeys((ONE_ROW[role],) + skinny_tiles.CONFIGS_ONE_ROW + EXTRA_FMA
+                                     + skinny_tiles.CONFIGS_DOT + skinny_tiles.CONFIGS_SWAP)
+            elif rows == 1:
                 cfgs = (ONE_ROW[role],)
             else:
                 fma = skinny_tiles.CONFIGS_FMA_ROWS + EXTRA_FMA if rows == 2 else ()
@@ -145,6 +157,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--part", choices=("all", "matmuls", "attention"), default="all")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.1-8b-shape",
+                    help="the matmul part's model shape (attention: Llama-3.1-8B heads)")
+    ap.add_argument("--rows", default="1,2,4,8", help="the matmul part's row counts")
+    ap.add_argument("--one-row-all", action="store_true",
+                    help="at one row, time every FMA and tensor-core tile, not the kept one")
     args = ap.parse_args()
     out = gs.run_info()
     dst = Path(args.out)
@@ -154,7 +171,8 @@ def main() -> None:
         attention(out)
         dst.write_text(json.dumps(out, indent=1))
     if args.part in ("all", "matmuls"):
-        matmuls(out, lambda: dst.write_text(json.dumps(out, indent=1)))
+        matmuls(out, lambda: dst.write_text(json.dumps(out, indent=1)), args.shape,
+                tuple(int(r) for r in args.rows.split(",")), args.one_row_all)
 
 
 if __name__ == "__main__":
