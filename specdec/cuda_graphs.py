@@ -230,6 +230,14 @@ class GraphRunner:
             return self.splits[(b, q)]
         return heuristic_splits(b, q, self.hq, self.hkv, self.sms, self.width * self.block_size)
 
+    def owner_split(self, b: int, q: int) -> bool:
+        """Whether the bucket's attention kernel keeps split 0 for the step's own columns (the
+        fused tree kernel: verify_kernels/tree_attention.py)."""
+        from verify_kernels import tree_attention as tree
+
+        return (getattr(self.backend, "fused_tree", False) and b <= tree.MAX_SEQS
+                and 2 <= q <= tree.MAX_Q)
+
     def execute(self, segments: list[Any], token_source: torch.Tensor | None = None):
         """The step's StepOutput through a graph, or None when the step must run eagerly.
         `token_source`: see ModelRunner.execute."""

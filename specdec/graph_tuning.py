@@ -72,14 +72,22 @@ def heuristic_splits(b: int, q: int, hq: int, hkv: int, sms: int, longest: int) 
     return max(1, min(-(-per_sm * sms // programs), longest // tile, 32))
 
 
-def split_candidates(first: int) -> list[int]:
+def split_candidates(first: int, owner: bool = False) -> list[int]:
     """Split counts timed against the heuristic's `first`: the powers of two from first // 4 (or
     1) up to, not including, first (at batch 1 of Llama-3.1-8B heads on the H200, tree attention
-    over 8 rows took 15.3 us per layer at 16 splits against 21.0 at the heuristic's 32)."""
+    over 8 rows took 15.3 us per layer at 16 splits against 21.0 at the heuristic's 32).
+
+    `owner`: the kernel's split 0 takes only the step's own columns (fused tree attention), so
+    S splits share the cached columns among S - 1 programs; each power of two s is then also
+    tried as s + 1, which gives every busy program the same number of tiles (at 8 rows over 1k
+    tokens, 12.99 us per layer at 9 splits against 13.44 at 16 and 14.95 at 8;
+    bench/results/gpu_tiles_h200_20261201_owner.json)."""
     s = 1 << max(0, (first // 4).bit_length() - 1)
     out = []
     while s < first:
         out.append(s)
+        if owner and 2 <= s and s + 1 < first:
+            out.append(s + 1)
         s *= 2
     return out
 
@@ -104,7 +112,7 @@ def tune_splits(runner: Any, lay: Any, graph: torch.cuda.CUDAGraph, outs: Output
     key = (lay.batch, lay.q)
     first = runner.num_splits(*key)
     best, kept = replay_ms(graph), first
-    for s in split_candidates(first):
+    for s in split_candidates(first, runner.owner_split(*key)):
         runner.splits[key] = s
         runner.forward(lay)  # compiles this split count's kernels outside the capture
         g, o = runner.capture(lay)

@@ -105,6 +105,10 @@ def test_split_candidates_are_fewer_powers_of_two():
     assert split_candidates(3) == [1, 2] and split_candidates(5) == [1, 2, 4]
     assert split_candidates(9) == [2, 4, 8] and split_candidates(8) == [2, 4]
     assert split_candidates(16) == [4, 8] and split_candidates(32) == [8, 16]
+    # With an owner program (split 0 holds only the step's own columns): s + 1 as well.
+    assert split_candidates(32, owner=True) == [8, 9, 16, 17]
+    assert split_candidates(9, owner=True) == [2, 3, 4, 5, 8]
+    assert split_candidates(2, owner=True) == [1] and split_candidates(4, owner=True) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("batch,q,context", [(1, 8, 40), (4, 2, 1000), (8, 1, 16)])
