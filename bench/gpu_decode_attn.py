@@ -12,7 +12,8 @@ Also programmatic dependent launch on and off (verify_kernels/pdl.py).
 
 3. A torch.profiler timeline of steady batch-1 decoding: per-kernel GPU time and the idle
    gaps between kernels. `--timeline-only --model qwen2.5-7b-shape` runs this part alone on
-   another shape (the Qwen shape decodes at 82% of its roofline against Llama's 86%).
+   another shape (the Qwen shape decodes at 82% of its roofline against Llama's 86%), with
+   timelines of the runner's batch-1 pass over 1 and 8 rows (the cost curve's n = 8 step).
 
     PYTHONPATH=. python3 bench/gpu_decode_attn.py --out DIR   (writes DIR/gpu_decode_attn.json)
 """
@@ -129,6 +130,8 @@ def engine_ab(out: dict, bw: float, name: str = "llama-3.1-8b-shape",
     prompt = torch.randint(100, runner.vocab_size, (gs.CTX,)).tolist()
     if timeline_only:
         out["engine_timeline_b1"] = timeline(engine, prompt)
+        for rows in (1, 8):
+            out[f"runner_step_timeline_b1_rows{rows}"] = step_timeline(engine, rows)
         return
     res = []
     from verify_kernels import pdl
@@ -215,6 +218,48 @@ def timeline(engine, prompt: list[int], steps: int = 30) -> dict:
     gs.log(json.dumps({k: v for k, v in out.items()
                        if k not in ("kernels_us_per_step", "one_step_in_order")})[:1500])
     return out
+
+
+def step_timeline(engine, rows: int, steps: int = 10) -> dict:
+    """GPU activity of `steps` back-to-back runner passes at batch 1 over `rows` rows per
+    sequence at the benchmark context (the verification cost curve's step): time per kernel
+    name, and one pass in order (from one input copy to the next), each event's time and the
+    idle time before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    segs = gs.step_segments(engine, 1, rows, gs.CTX)
+    for _ in range(5):
+        engine.runner.execute(segs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.runner.execute(segs)
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    if not ev:
+        return {"error": "no CUDA events recorded"}
+    span = ev[-1].time_range.end - ev[0].time_range.start
+    by_name: dict = {}
+    for e in ev:
+        t, n = by_name.get(e.name[:60], (0.0, 0))
+        by_name[e.name[:60]] = (t + (e.time_range.end - e.time_range.start) / steps, n + 1)
+    marks = [i for i, e in enumerate(ev) if "HtoD" in e.name]
+    one = []
+    if len(marks) >= 3:
+        seg = ev[marks[1]:marks[2] + 1]
+        for a, b in zip(seg, seg[1:]):
+            one.append((b.name[:40], round(b.time_range.end - b.time_range.start, 2),
+                        round(b.time_range.start - a.time_range.end, 2)))
+    res = {"rows": rows, "span_us_per_step": span / steps,
+           "kernels_us_per_step": {k: {"us": t, "count": n / steps}
+                                   for k, (t, n) in sorted(by_name.items(),
+                                                           key=lambda kv: -kv[1][0])},
+           "one_step_in_order": one}
+    gs.log(f"runner step b1 rows {rows}: {res['span_us_per_step']:.1f} us per step; "
+           + ", ".join(f"{k[:30]} {v['us']:.1f}" for k, v in
+                       list(res["kernels_us_per_step"].items())[:6]))
+    return res
 
 
 def main() -> None:
