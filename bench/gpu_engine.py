@@ -232,6 +232,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="batch 1 only: the cost curve and plain decode, no speculative runs "
                          "and no transformers peer")
+    ap.add_argument("--sizes", default=None,
+                    help="the cost curve's row counts, comma-separated ('' for the 1-row step "
+                         "alone: each size captures and tunes a graph, slow on a cold cache)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -276,6 +279,8 @@ def main() -> None:
         res["decode_b1_roofline_tokens_per_s"] = 1 / floor
         engine.runner.kv.normal_()  # attention over finite, non-zero KV
         sizes = (2, 4, 8, 16, 32, 64) if mi == 0 else (2, 4, 8, 16)
+        if args.sizes is not None:
+            sizes = tuple(int(x) for x in args.sizes.split(",") if x)
         batches = (1, 8, 16, 32) if mi == 0 and not args.quick else (1,)
         cost_curve(engine, res, bw, batches, sizes)
         b1 = res["verify_cost_ratio"]["1"]["decode_step_ms"] / 1e3
