@@ -285,7 +285,7 @@ def main() -> None:
         cost_curve(engine, res, bw, batches, sizes)
         b1 = res["verify_cost_ratio"]["1"]["decode_step_ms"] / 1e3
         res["decode_b1_runner_step_fraction_of_roofline"] = floor / b1
-        if engine.runner.graphs is not None:
+        if engine.runner.graphs is not None and args.sizes != "":  # ("": 1-row graphs only)
             graph_vs_eager(engine, res)
         save()
         if left() > (30 if args.quick else 120):
