@@ -285,6 +285,7 @@ def main() -> None:
         cost_curve(engine, res, bw, batches, sizes)
         b1 = res["verify_cost_ratio"]["1"]["decode_step_ms"] / 1e3
         res["decode_b1_runner_step_fraction_of_roofline"] = floor / b1
+        save()  # before the graph-vs-eager check's capture: a run cut there keeps the curve
         if engine.runner.graphs is not None and args.sizes != "":  # ("": 1-row graphs only)
             graph_vs_eager(engine, res)
         save()
