@@ -12,8 +12,9 @@ Also programmatic dependent launch on and off (verify_kernels/pdl.py).
 
 3. A torch.profiler timeline of steady batch-1 decoding: per-kernel GPU time and the idle
    gaps between kernels. `--timeline-only --model qwen2.5-7b-shape` runs this part alone on
-   another shape (the Qwen shape decodes at 82% of its roofline against Llama's 86%), with
-   timelines of the runner's batch-1 pass over 1 and 8 rows (the cost curve's n = 8 step).
+   another shape (the Qwen shape decoded at 82% of its roofline against Llama's 86% until
+   one-row matmuls got 2-column tiles), with timelines of the runner's batch-1 pass over 1 and
+   8 rows (the cost curve's n = 8 step).
 
     PYTHONPATH=. python3 bench/gpu_decode_attn.py --out DIR   (writes DIR/gpu_decode_attn.json)
 """
