@@ -8,9 +8,11 @@ or KV, so nothing is served from L2 that a real step would read from memory).
    count, sorted by time.
 2. Tree attention at 2 and 8 rows (batch 1, binary-tree mask, 1k context), and decode
    attention at 1: split counts, KV tile widths and warps, against rotary + KV write, paged
-   attention and the merge as launches. The tree kernel's first split takes only the step's own
-   columns, so S splits share the cached columns among S - 1 programs: at 1k context and
-   64-column tiles, 9 and 17 splits give each busy program 2 and 1 tiles, 8 and 16 give 3 and 2.
+   attention and the merge as launches; at 8 rows also with each program's 32 rows in two
+   row blocks ("r2": tree_attention's `row_blocks`). The tree kernel's first split takes only
+   the step's own columns, so S splits share the cached columns among S - 1 programs: at 1k
+   context and 64-column tiles, 9 and 17 splits give each busy program 2 and 1 tiles, 8 and 16
+   give 3 and 2.
 
 Earlier results: bench/results/gpu_tiles_h200_20261201.json (tree variants "alone" had the
 step's own columns in a program of their own, the others in the last cached split, as before
@@ -140,6 +142,12 @@ def attention_at(rows: int) -> dict:
             row[f"two_launch s{splits}"] = graph_us(lambda i, s=splits: two_launch(i, s))
         kw = {"num_splits": splits, "block_n": bn, "num_warps": warps}
         row[f"fused s{splits} n{bn} w{warps}"] = graph_us(lambda i, kw=kw: fused(i, **kw))
+    if rows >= 8:  # 32 rows per program (8 tokens x 4 heads) in 2 row blocks of 16
+        for splits, bn, warps in ((9, 64, 8), (9, 64, 4), (9, 32, 4), (16, 32, 4), (17, 32, 4),
+                                  (32, 32, 4), (32, 32, 8)):
+            kw = {"num_splits": splits, "block_n": bn, "num_warps": warps, "row_blocks": 2}
+            row[f"fused s{splits} n{bn} w{warps} r2"] = graph_us(
+                lambda i, kw=kw: fused(i, **kw))
     return row
 
 

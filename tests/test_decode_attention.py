@@ -128,6 +128,30 @@ def test_tree_warps():
     tree([(33, [-1, 0, 0]), (200, 4)], 32, 8, 128, 16, splits=2, seed=6, num_warps=8)
 
 
+@pytest.mark.parametrize("splits,row_blocks", [(1, 2), (9, 2), (3, 4)])
+def test_tree_row_blocks(splits, row_blocks):
+    """A program's rows split over row blocks that read the same tiles: one of them writes
+    the step's keys and values, every one scores them for its own rows."""
+    tree([(0, TREE7), (17, 8), (300, TREE7), (1000, 8)], 32, 8, 128, 16, splits=splits,
+         seed=400 + splits, row_blocks=2, block_n=32, num_warps=4)
+    tree([(70, TREE7), (5, [-1, 0, 1, 2, 3, 4, 5])], 7, 1, 64, 32, splits=splits,
+         seed=500 + splits, row_blocks=row_blocks)
+    tree([(40, [-1, 0, -1, -1]), (0, [-1, 0, -1, -1])], 8, 2, 64, 16, splits=splits,
+         seed=600 + splits, pad=(3, 4, 5, 6, 7, 8, 9), row_blocks=2)
+    with pytest.raises(AssertionError, match="row blocks"):
+        tree([(9, [-1, 0])], 8, 2, 64, 16, splits=splits, seed=1, row_blocks=2)
+
+
+def test_tree_row_blocks_default(monkeypatch):
+    """ROW_BLOCKS caps the row blocks of calls that name none: as many as leave 16 rows each
+    (2 rows x 4 heads: one block)."""
+    import verify_kernels.tree_attention as ta
+
+    monkeypatch.setattr(ta, "ROW_BLOCKS", 4)
+    tree([(33, TREE7), (200, 8)], 8, 2, 64, 16, splits=4, seed=7)
+    tree([(33, [-1]), (200, 2)], 8, 2, 64, 16, splits=4, seed=8)
+
+
 def test_tree_padding_rows_write_nothing():
     # As the graph runner pads: the last rows of a sequence (seen only by themselves) and a
     # whole sequence of context 0.

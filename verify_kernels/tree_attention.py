@@ -18,12 +18,15 @@ loads: query starts, the owning sequence, its context, the block table, K, then 
   bench/results/gpu_tiles_h200_20261201.json). It is split 0 so that it is dispatched first:
   with 8 warps a program holds about a whole SM's registers (an sm_90 compile with Triton 3.9:
   255 per thread and a 296-byte stack at 8 rows, 223 at 2), so a grid with more programs
-  than SMs runs in waves, and the owner's chain is the longest. (Those timings had the owner
-  last, where at 8 rows 32 splits took 20.2 us per layer against 13.8 at 16; the move is not
-  yet timed.)
+  than SMs runs in waves, and the owner's chain is the longest. First, at 8 rows: 12.99 us per
+  layer at 9 splits, 13.44 at 16 (13.81 at 16 with the owner last; 32 splits 18.17 against
+  20.2), bench/results/gpu_tiles_h200_20261201_owner.json.
 
 A program's BLOCK_M rows are Q query tokens times the GROUP query heads of its KV head, so each
-K/V tile feeds every row. This is a separate kernel rather than a generalised decode kernel:
+K/V tile feeds every row. `row_blocks` R spreads them over R programs that read the same tiles
+(R x the grid, each program with 1/R of the rows and their registers): more programs per
+SM and more splits in one wave, for the latency-bound batch-1 step. Not yet timed on the GPU;
+the default stays 1. This is a separate kernel rather than a generalised decode kernel:
 folding Q > 1 into the decode kernel made 1-row steps slower on the H200 (4.74 against
 4.15 ms per Llama-3.1-8B step, `bench/results/gpu_engine_h200_20261130_smallq.*`). Rounding
 follows the unfused path. The reference is `decode_attention.decode_attention_ref`.
@@ -64,6 +67,8 @@ _LOG2E = 1.4426950408889634
 MAX_Q = 8
 MAX_SEQS = 4
 KERNEL_MAX_Q = 16
+# Row blocks when a call names none: up to this many, each of 16 rows or more (`tree_attention`).
+ROW_BLOCKS = 1
 
 
 @triton.jit
@@ -90,13 +95,14 @@ def _tree_attn_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_M: tl.constexpr, NEW_P: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    split = tl.program_id(2) // ROW_BLOCKS  # row blocks of one split are neighbours
+    rb = tl.program_id(2) % ROW_BLOCKS
     HALF: tl.constexpr = HEAD_DIM // 2
-    m = tl.arange(0, BLOCK_M)
+    m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     t = m // GROUP_P  # the row's query token within the sequence
     row_ok = (m % GROUP_P < GROUP) & (t < q_len)
     tok = b * q_len + t
@@ -158,7 +164,9 @@ def _tree_attn_kernel(
             vn = tl.load(v_ptr + jtok[:, None] * stride_vt + kvh * stride_vh_new + d[None, :],
                          mask=j_ok[:, None], other=0.0)  # [NEW_P, D]
             slot = tl.load(slot_ptr + jtok, mask=j_ok, other=-1)
-            put = (slot >= 0)[:, None]
+            # Every row block scores the new columns; the first writes them (rb as a row-shaped
+            # value, as the interpreter needs).
+            put = ((slot >= 0) & ((j * 0 + rb) == 0))[:, None]
             # Slots index blocks x in-block positions (blocks contiguous, checked on launch).
             tl.store(k_base + slot[:, None] * stride_ks + d[None, :],
                      kr.to(k_cache_ptr.dtype.element_ty), mask=put)
@@ -208,12 +216,17 @@ def tree_attention(
     num_splits: int = 1,
     num_warps: int | None = None,
     block_n: int | None = None,
+    row_blocks: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
     """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
     sequence's Q rows over its context and the rows it sees. Reads nothing from the device on
     the host: `num_splits` is the caller's (a graph fixes it per bucket). `num_warps` None
     takes 8 (faster than 4 on the H200 at every row count and split count at batch 1);
-    `block_n` (KV columns per tile, a power of two >= 16) None takes 64 up to head dim 128."""
+    `block_n` (KV columns per tile, a power of two >= 16) None takes 64 up to head dim 128.
+    `row_blocks` R splits a program's rows (Q tokens x the KV head's query heads) over R
+    programs of at least 16 rows each, which read the same KV tiles: fewer registers per
+    program, so more programs per SM (at 8 rows a program of 32 rows holds about an SM's).
+    None takes up to ROW_BLOCKS, as many as leave each block 16 rows."""
     t, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
     bsz = meta.num_seqs
@@ -242,13 +255,17 @@ def tree_attention(
     group = hq // hkv
     group_p, q_p = _next_pow2(group), _next_pow2(ql)
     block_m = max(16, q_p * group_p)
+    if row_blocks is None:
+        row_blocks = min(ROW_BLOCKS, block_m // 16)
+    assert row_blocks >= 1 and block_m % row_blocks == 0 and block_m // row_blocks >= 16, (
+        f"{row_blocks} row blocks of {block_m} rows: each needs 16 or more")
     splits = num_splits
     part = torch.empty((t, hq, splits, d), dtype=torch.float32, device=dev) if splits > 1 else out
     lse = torch.empty((t, hq, splits), dtype=torch.float32, device=dev) if splits > 1 else out
     ps = (hq * splits * d, splits * d, d) if splits > 1 else (0, 0, 0)
     ls = (hq * splits, splits) if splits > 1 else (0, 0)
     mask = (meta.custom_mask if has_mask else meta.mask_offsets).view(torch.uint8)
-    _tree_attn_kernel[(bsz, hkv, splits)](
+    _tree_attn_kernel[(bsz, hkv, splits * row_blocks)](
         out, part, lse, q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens,
         positions, meta.slot_mapping, meta.mask_offsets, mask, inv_freq,
         ql, scale * _LOG2E, rope_scaling,
@@ -256,9 +273,10 @@ def tree_attention(
         out.stride(0), out.stride(1), *ps, *ls,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
-        HEAD_DIM=d, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, NEW_P=max(16, q_p),
+        HEAD_DIM=d, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m // row_blocks,
+        NEW_P=max(16, q_p),
         BLOCK_N=block_n or (64 if d <= 128 else 32), BLOCK_SIZE=bs, NUM_SPLITS=splits,
-        HAS_MASK=has_mask,
+        HAS_MASK=has_mask, ROW_BLOCKS=row_blocks,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=num_warps or 8,
     )
