@@ -48,6 +48,9 @@ EXTRA_DOT = ((16, 512, 4, 4, "dot"), (16, 1024, 4, 3, "dot"), (32, 512, 4, 4, "d
              (64, 128, 4, 6, "swap"), (64, 64, 4, 8, "swap"), (64, 128, 4, 8, "swap"))
 EXTRA_FMA = ((4, 1024, 4, 3, "fma"), (4, 512, 4, 3, "fma"), (8, 512, 4, 3, "fma"),
              (8, 1024, 8, 2, "fma"), (2, 1024, 4, 3, "fma"))
+# Two-column FMA tiles with shorter K tiles (the products of 4-8 rows fit the registers), the
+# shape that won every one-row matmul but qkv on the Qwen2.5-7B shape.
+EXTRA_FMA_NARROW = ((2, 256, 4, 3, "fma"), (2, 512, 4, 3, "fma"))
 ONE_ROW = {"qkv": (8, 1024, 4, 2, "fma"), "o_proj": (4, 1024, 4, 3, "fma"),
            "gate_up": (8, 1024, 4, 2, "fma"), "down": (4, 1024, 4, 3, "fma")}
 
@@ -93,7 +96,8 @@ def matmuls(out: dict, save, shape: str, row_counts: tuple[int, ...],
             elif rows == 1:
                 cfgs = (ONE_ROW[role],)
             else:
-                fma = skinny_tiles.CONFIGS_FMA_ROWS + EXTRA_FMA if rows == 2 else ()
+                fma = (skinny_tiles.CONFIGS_FMA_ROWS + EXTRA_FMA if rows == 2 else ()) + (
+                    EXTRA_FMA_NARROW if rows <= skinny_tiles.FMA_MAX_ROWS else ())
                 cfgs = dict.fromkeys(skinny_tiles.CONFIGS_DOT + skinny_tiles.CONFIGS_SWAP
                                      + EXTRA_DOT + fma)
             times = {}
