@@ -194,12 +194,12 @@ def test_skinny_tile_choice_hooks():
     torch.testing.assert_close(skinny_linear(x, w1), skinny_linear_ref(x, w1), **tol)
 
 
-@pytest.mark.parametrize("m", [2, 3, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
 @pytest.mark.parametrize("prologue", ["norm", "silu"])
 def test_skinny_candidates_fold_the_prologue(m, prologue):
-    """The several-row FMA candidate and the swapped dot candidate, each with the prologue in
-    its loop (norm or SiLU-and-multiply folded in, residual in place), against the reference,
-    forced through set_config as the tuner would pick them."""
+    """The FMA candidates (16 columns, and 2 as at one row) and the swapped dot candidate, each
+    with the prologue in its loop (norm or SiLU-and-multiply folded in, residual in place),
+    against the reference, forced through set_config as the tuner would pick them."""
     from verify_kernels import skinny_tiles
 
     g = torch.Generator().manual_seed(m)
@@ -213,7 +213,7 @@ def test_skinny_candidates_fold_the_prologue(m, prologue):
     with skinny_tiles.recording_keys() as keys:
         skinny_linear(x, w, residual=res.clone(), **kw)  # records (and tunes) the key
     tol = {"atol": 3e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
-    for cfg in ((16, 32, 4, 1, "fma"), (64, 32, 4, 1, "swap")):  # the prologue in the loop
+    for cfg in ((16, 32, 4, 1, "fma"), (2, 64, 4, 1, "fma"), (64, 32, 4, 1, "swap")):
         skinny_tiles.set_config(keys[0], cfg)
         out = skinny_linear(x, w, residual=res.clone(), **kw)
         torch.testing.assert_close(out, ref, **tol)
