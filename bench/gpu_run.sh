@@ -15,8 +15,11 @@
 #            split, tile and warp choices, per layer in 32-layer graphs (bench/gpu_tiles.py);
 #   timeline: the engine's steady batch-1 GPU timeline per kernel on both shapes, Qwen's in
 #            OUT/qwen2 and Llama's in OUT/llama (bench/gpu_decode_attn.py --timeline-only).
+#   probe:   the open leads of the verification cost at 8 rows, per layer in 32-layer graphs:
+#            tree attention with its rows in 2 row blocks (OUT/attn), and the Qwen shape's
+#            matmuls at 2 and 8 rows with the 2-column FMA tiles (OUT/qwen).
 # Needs nothing from the network. From the repo root:
-#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|verify|runner|tiles|timeline|all]
+#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|verify|runner|tiles|timeline|probe|all]
 set -uo pipefail
 out="${1:-${OUT:-bench/results/tmp}}"
 part="${2:-all}"
@@ -57,6 +60,14 @@ export PYTHONUNBUFFERED=1
       timeout 240 python3 bench/gpu_decode_attn.py --out "$out/${m%%[.-]*}" --timeline-only \
         --model "$m"
     done
+  fi
+  if [ "$part" = probe ]; then
+    SPECDEC_TEST_DEVICE=cuda SPECDEC_SKINNY_TUNE=0 timeout 120 python3 -m pytest -q \
+      --noconftest -p no:cacheprovider tests/test_decode_attention.py -k tree 2>&1 | tail -3
+    SPECDEC_SKINNY_TUNE=0 timeout 170 python3 bench/gpu_tiles.py --out "$out/attn" \
+      --part attention
+    SPECDEC_SKINNY_TUNE=0 timeout 250 python3 bench/gpu_tiles.py --out "$out/qwen" \
+      --part matmuls --shape qwen2.5-7b-shape --rows 2,8
   fi
   if [ "$part" = tiles ]; then
     SPECDEC_SKINNY_TUNE=0 timeout 560 python3 bench/gpu_tiles.py --out "$out"
