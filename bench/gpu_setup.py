@@ -8,10 +8,15 @@ Used by bench/gpu_engine.py and bench/gpu_step_profile.py.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
+
+# Every benchmark run tunes its CUDA graphs afresh (choices kept on disk by an earlier run, or
+# by an earlier mode of an A/B, would skip the tuning a run measures).
+os.environ["SPECDEC_TUNING_CACHE"] = "0"
 
 SHAPES = {
     "llama-3.1-8b-shape": {

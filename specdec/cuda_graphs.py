@@ -18,7 +18,8 @@ Steps outside the buckets (long prefill chunks, more sequences than the largest 
 that capture hidden layers) run eagerly: `execute` returns None for them.
 
 On a bucket's first capture its KV split count and matmul tiles are timed in the whole captured
-step, on a placeholder step at a fixed context (`specdec/graph_tuning.py`). `capture_all` does
+step, on a placeholder step at a fixed context (`specdec/graph_tuning.py`), and kept on disk
+for the next runner of the same model, GPU and code. `capture_all` does
 every bucket up front, so that no step waits for a capture (the server calls it at start).
 """
 
@@ -34,7 +35,10 @@ import torch
 from specdec.attention import AttentionMetadata
 from specdec.graph_tuning import (
     Outputs,
+    cache_file,
     heuristic_splits,
+    load_choices,
+    save_choices,
     tune_splits,
     tune_tiles,
     tuning_segments,
@@ -222,6 +226,14 @@ class GraphRunner:
         self.tuned: dict[tuple[int, int], dict] = {}  # per bucket: step ms before/after, trials
         self.tuned_keys: set[tuple] = set()  # matmul keys whose tiles were tuned in a graph
         self.splits: dict[tuple[int, int], int] = {}  # per bucket: split count chosen by timing
+        # Choices an earlier runner of the same model, GPU and code kept on disk: those buckets
+        # are captured without timing (graph_tuning.cache_file).
+        self.cache = cache_file(self) if self.tune else None
+        self.loaded: set[tuple[int, int]] = set()
+        if self.cache is not None and self.cache.exists():
+            self.loaded = load_choices(self, self.cache)
+            for key in self.loaded:
+                self.tuned[key] = {"loaded": str(self.cache)}
 
     def num_splits(self, b: int, q: int) -> int:
         """Split-KV partitions for a bucket: the count timed best at its capture, else the
@@ -322,9 +334,15 @@ class GraphRunner:
             self.forward(lay)  # compiles the kernels (and times new matmul shapes alone)
         keys = [k for k in keys if k not in self.tuned_keys]
         graph, outs = self.capture(lay)
-        if self.tune:
+        tune = self.tune and (lay.batch, lay.q) not in self.loaded
+        if tune:
             self.tuned.setdefault((lay.batch, lay.q), {})["context"] = segs[0].context_len
             graph, outs = tune_splits(self, lay, graph, outs)
-        if self.tune and keys:
+        if tune and keys:
             graph, outs = tune_tiles(self, lay, keys, graph, outs)
         self.graphs[(lay.batch, lay.q)] = (graph, outs)
+        if tune and self.cache is not None:
+            try:
+                save_choices(self, self.cache)
+            except OSError:  # a read-only cache: the next start tunes again
+                self.cache = None

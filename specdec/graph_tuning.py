@@ -8,6 +8,12 @@ matmul's tiles are re-chosen by replaying the step with every candidate, one mat
 keeping a change only when the step gets faster (a few seconds per row count, once: buckets
 with the same rows per step share the tiles). SPECDEC_TUNE_GRAPHS=0 skips both.
 
+The choices are kept on disk (`cache_file`: SPECDEC_CACHE, or ~/.cache/specdec, under tuning/)
+per GPU, torch and Triton versions, model parameter shapes, block table and kernel sources; a
+later runner with the same key loads them and captures its buckets without timing anything
+(a cold start with every bucket tuned takes minutes on an H200). SPECDEC_TUNING_CACHE=0 turns
+this off (the benchmarks do: each run tunes afresh).
+
 Both are timed on a placeholder step (`tuning_segments`), never on the step that triggered the
 capture: every sequence of the bucket present, each with TUNE_CONTEXT tokens of context
 (SPECDEC_TUNE_CONTEXT, default 1024, capped by the model's length) in distinct cache blocks,
@@ -19,7 +25,10 @@ is cheapest, won buckets whose later steps read 1k tokens and more).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,3 +156,84 @@ def tune_tiles(runner: Any, lay: Any, keys: list[tuple], graph: torch.cuda.CUDAG
     runner.tuned.setdefault((lay.batch, lay.q), {}).update(
         {"step_ms_alone_tuned": first, "step_ms": best, "trials": trials})
     return graph, outs
+
+
+# Sources whose change may change what the tuning would choose: the kernels, the capture and
+# tuning code, the model's forward.
+_SOURCES = ("verify_kernels", "specdec/cuda_graphs.py", "specdec/graph_tuning.py",
+            "specdec/models/llama.py")
+
+
+def _sources_digest() -> str:
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        p = root / name
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def cache_file(runner: Any) -> Path | None:
+    """Where `runner`'s tuned choices are kept, or None with SPECDEC_TUNING_CACHE=0. The name
+    is a digest of everything the choices depend on."""
+    if os.environ.get("SPECDEC_TUNING_CACHE", "1") == "0":
+        return None
+    import triton
+
+    from specdec.hub.resolve import cache_root
+
+    dev = runner.device
+    key = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "params": [(n, list(p.shape), str(p.dtype)) for n, p in runner.model.named_parameters()],
+        "heads": [runner.hq, runner.hkv], "block_size": runner.block_size,
+        "width": runner.width, "context": TUNE_CONTEXT, "sources": _sources_digest(),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_root() / "tuning" / f"{digest}.json"
+
+
+def _encode_key(key: tuple) -> list:
+    return [str(x) if isinstance(x, torch.dtype) else x for x in key]
+
+
+def _decode_key(raw: list) -> tuple:
+    return tuple(getattr(torch, x.removeprefix("torch.")) if isinstance(x, str)
+                 and x.startswith("torch.") else x for x in raw)
+
+
+def save_choices(runner: Any, path: Path) -> None:
+    """The runner's tuned buckets (split counts) and every matmul tile chosen so far."""
+    from verify_kernels import skinny_tiles
+
+    data = {
+        "buckets": [[b, q, runner.splits[(b, q)]] for (b, q) in sorted(runner.splits)
+                    if (b, q) in runner.tuned],
+        "tiles": [[_encode_key(k), list(cfg)]
+                  for k, cfg in skinny_tiles.chosen_configs().items()],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+
+
+def load_choices(runner: Any, path: Path) -> set[tuple[int, int]]:
+    """Applies the choices kept at `path` (split counts, tiles, marked tuned); returns the
+    buckets they cover (captured without timing). An unreadable file is ignored."""
+    from verify_kernels import skinny_tiles
+
+    try:
+        data = json.loads(path.read_text())
+        buckets = {(int(b), int(q)): int(s) for b, q, s in data["buckets"]}
+        tiles = [(_decode_key(k), tuple(cfg)) for k, cfg in data["tiles"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+    runner.splits.update(buckets)
+    for key, cfg in tiles:
+        skinny_tiles.set_config(key, cfg)
+        runner.tuned_keys.add(key)
+    return set(buckets)

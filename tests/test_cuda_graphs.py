@@ -259,3 +259,58 @@ def test_runner_tunes_on_placeholders_and_replays_exactly(tiny_llama, monkeypatc
         graphed = runner.execute([step]).logits
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
     assert runner.replays == 2 and runner.eager_steps == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for CUDA graphs")
+def test_tuned_choices_are_kept_and_reused(tiny_llama, monkeypatch, tmp_path):
+    """A runner keeps its buckets' split counts and tiles on disk; the next runner of the same
+    model and code loads them and captures those buckets without timing anything, with the
+    same logits; another block table width is another file; a damaged file is ignored."""
+    from verify_kernels import skinny_tiles
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECDEC_TUNING_CACHE", "1")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(multi_processor_count=8))
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(GraphRunner, "capture", lambda self, lay: (
+        (g := _Replay(self, lay)), g.outs))
+    timed: list[int] = []
+    monkeypatch.setattr(graph_tuning, "replay_ms",
+                        lambda g: timed.append(g.splits) or (1.0 if g.splits == 1 else 2.0))
+    eng = LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"},
+                              attention_backend="triton", num_blocks=40)
+    eng.runner.model.fused = True
+
+    def runner(width: int = 8) -> GraphRunner:
+        return GraphRunner(eng.runner.model, eng.runner.kv, eng.runner.backend,
+                           eng.runner.block_size, width, torch.device("cpu"))
+
+    first = runner()
+    assert first.cache is not None and not first.cache.exists() and not first.loaded
+    with torch.inference_mode():
+        first.capture_all(1, 2)
+    assert timed and first.cache.exists()
+    tiles = skinny_tiles.chosen_configs()
+    assert tiles and first.splits == {(1, 1): 1, (1, 2): 1}
+
+    skinny_tiles.forget()  # as in a new process
+    timed.clear()
+    second = runner()
+    assert second.cache == first.cache and second.loaded == {(1, 1), (1, 2)}
+    assert second.splits == first.splits and skinny_tiles.chosen_configs() == tiles
+    seq = _prefilled(eng, "k", [3, 9, 4, 17, 22, 5, 8, 30, 31, 2, 6], 3)
+    seg = _step_segment(eng, seq, [11], [-1])
+    with torch.inference_mode():
+        assert second.capture_all(1, 2) == 2
+        eager = eng.runner.execute([seg]).logits
+        graphed = second.execute([seg]).logits
+    assert timed == []  # nothing timed: no split count, no tile
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    eng.blocks.free_seq(seq)
+
+    assert runner(width=4).cache != first.cache
+    first.cache.write_text("{not json")
+    assert runner().loaded == set()
