@@ -213,12 +213,8 @@ class _Replay:
 _CAPTURED: list[_Replay] = []
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for CUDA graphs")
-def test_runner_tunes_on_placeholders_and_replays_exactly(tiny_llama, monkeypatch):
-    """capture_all tunes each bucket on its placeholder step without touching the KV cache; a
-    verification step in a new bucket is captured and tuned the same way before its own inputs
-    are staged; it and the decode step after it run with the split counts the tuning kept
-    (timed here so that one split always wins) and give the eager path's logits."""
+def _stand_in_graphs(monkeypatch) -> None:
+    """GraphRunner on the CPU: captures are _Replay objects, CUDA calls do nothing."""
     _CAPTURED.clear()
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(multi_processor_count=8))
@@ -227,6 +223,15 @@ def test_runner_tunes_on_placeholders_and_replays_exactly(tiny_llama, monkeypatc
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(GraphRunner, "capture", lambda self, lay: (
         (g := _Replay(self, lay)), g.outs))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for CUDA graphs")
+def test_runner_tunes_on_placeholders_and_replays_exactly(tiny_llama, monkeypatch):
+    """capture_all tunes each bucket on its placeholder step without touching the KV cache; a
+    verification step in a new bucket is captured and tuned the same way before its own inputs
+    are staged; it and the decode step after it run with the split counts the tuning kept
+    (timed here so that one split always wins) and give the eager path's logits."""
+    _stand_in_graphs(monkeypatch)
     monkeypatch.setattr(graph_tuning, "replay_ms", lambda g: 1.0 if g.splits == 1 else 2.0)
     eng = LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"},
                               attention_backend="triton", num_blocks=40)
@@ -270,13 +275,7 @@ def test_tuned_choices_are_kept_and_reused(tiny_llama, monkeypatch, tmp_path):
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.setenv("SPECDEC_TUNING_CACHE", "1")
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device: SimpleNamespace(multi_processor_count=8))
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(GraphRunner, "capture", lambda self, lay: (
-        (g := _Replay(self, lay)), g.outs))
+    _stand_in_graphs(monkeypatch)
     timed: list[int] = []
     monkeypatch.setattr(graph_tuning, "replay_ms",
                         lambda g: timed.append(g.splits) or (1.0 if g.splits == 1 else 2.0))
