@@ -169,7 +169,7 @@ def _sources_digest() -> str:
     h = hashlib.sha256()
     for name in _SOURCES:
         p = root / name
-        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p] if p.exists() else []:
             h.update(f.relative_to(root).as_posix().encode())
             h.update(f.read_bytes())
     return h.hexdigest()
