@@ -169,23 +169,13 @@ def timeline(engine, prompt: list[int], steps: int = 30) -> dict:
     """GPU activity of `steps` engine steps of plain batch-1 decoding, in steady state: kernel
     time against the span they cover, time outside graphs by kernel, and the largest idle gaps
     with the kernels on either side."""
-    from torch.profiler import ProfilerActivity, profile
-
     from specdec.sampling_params import SamplingParams
 
     engine.add_request("tl", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 60,
                                                          ignore_eos=True))
-    for _ in range(30):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
+    ev = gs.cuda_events(engine.step, steps, warmup=30)
     while engine.has_unfinished():
         engine.step()
-    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                key=lambda e: e.time_range.start)
     if not ev:
         return {"error": "no CUDA events recorded"}
     span = ev[-1].time_range.end - ev[0].time_range.start
@@ -226,18 +216,8 @@ def step_timeline(engine, rows: int, steps: int = 10) -> dict:
     sequence at the benchmark context (the verification cost curve's step): time per kernel
     name, and one pass in order (from one input copy to the next), each event's time and the
     idle time before it."""
-    from torch.profiler import ProfilerActivity, profile
-
     segs = gs.step_segments(engine, 1, rows, gs.CTX)
-    for _ in range(5):
-        engine.runner.execute(segs)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.runner.execute(segs)
-        torch.cuda.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                key=lambda e: e.time_range.start)
+    ev = gs.cuda_events(lambda: engine.runner.execute(segs), steps, warmup=5)
     if not ev:
         return {"error": "no CUDA events recorded"}
     span = ev[-1].time_range.end - ev[0].time_range.start

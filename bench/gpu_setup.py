@@ -191,3 +191,19 @@ def time_steps(engine, segs, iters: int = 20) -> float:
     b.synchronize()
     return a.elapsed_time(b) / 1e3 / iters
 
+
+
+def cuda_events(fn, steps: int, warmup: int) -> list:
+    """The CUDA kernels and copies of `steps` calls of `fn` (after `warmup` untimed calls),
+    recorded by torch.profiler, in start order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)

@@ -95,17 +95,7 @@ def kernels_at(bsz: int, rows: int, out: list) -> None:
 
 def kernel_times(engine, segs, steps: int = 20) -> dict:
     """GPU microseconds per runner step by kernel name, and the step's span and busy time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        engine.runner.execute(segs)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.runner.execute(segs)
-        torch.cuda.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                key=lambda e: e.time_range.start)
+    ev = gs.cuda_events(lambda: engine.runner.execute(segs), steps, warmup=3)
     if not ev:
         return {"error": "no CUDA events recorded"}
     by: dict = {}
