@@ -66,6 +66,8 @@ export PYTHONUNBUFFERED=1
       --noconftest -p no:cacheprovider tests/test_decode_attention.py -k tree 2>&1 | tail -3
     SPECDEC_SKINNY_TUNE=0 timeout 170 python3 bench/gpu_tiles.py --out "$out/attn" \
       --part attention
+    SPECDEC_SKINNY_TUNE=0 timeout 120 python3 bench/gpu_tiles.py --out "$out/attn_qwen" \
+      --part attention --shape qwen2.5-7b-shape
     SPECDEC_SKINNY_TUNE=0 timeout 250 python3 bench/gpu_tiles.py --out "$out/qwen" \
       --part matmuls --shape qwen2.5-7b-shape --rows 2,8
   fi

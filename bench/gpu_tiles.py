@@ -8,11 +8,12 @@ or KV, so nothing is served from L2 that a real step would read from memory).
    count, sorted by time.
 2. Tree attention at 2 and 8 rows (batch 1, binary-tree mask, 1k context), and decode
    attention at 1: split counts, KV tile widths and warps, against rotary + KV write, paged
-   attention and the merge as launches; at 8 rows also with each program's 32 rows in two
-   row blocks ("r2": tree_attention's `row_blocks`). The tree kernel's first split takes only
-   the step's own columns, so S splits share the cached columns among S - 1 programs: at 1k
-   context and 64-column tiles, 9 and 17 splits give each busy program 2 and 1 tiles, 8 and 16
-   give 3 and 2.
+   attention and the merge as launches; at 8 rows also with each program's rows in row blocks
+   ("r2", "r4": tree_attention's `row_blocks`). With --shape qwen2.5-7b-shape, its heads (28
+   query, 4 KV: 64 rows a program at 8 rows) at 1 and 8 rows. The tree kernel's first split
+   takes only the step's own columns, so S splits share the cached columns among S - 1
+   programs: at 1k context and 64-column tiles, 9 and 17 splits give each busy program 2 and 1
+   tiles, 8 and 16 give 3 and 2.
 
 Earlier results: bench/results/gpu_tiles_h200_20261201.json (tree variants "alone" had the
 step's own columns in a program of their own, the others in the last cached split, as before
@@ -117,8 +118,9 @@ def matmuls(out: dict, save, shape: str, row_counts: tuple[int, ...],
         save()
 
 
-def attention_at(rows: int) -> dict:
-    """Per-layer microseconds of each variant at `rows` rows (1: the decode kernel)."""
+def attention_at(rows: int, hq: int = HQ, hkv: int = HKV) -> dict:
+    """Per-layer microseconds of each variant at `rows` rows (1: the decode kernel), with `hq`
+    query and `hkv` KV heads."""
     from gpu_verify_attn import tree_case
 
     from verify_kernels.decode_attention import decode_attention
@@ -126,7 +128,7 @@ def attention_at(rows: int) -> dict:
     from verify_kernels.paged_attention import paged_attention
     from verify_kernels.tree_attention import tree_attention
 
-    qkv_of, caches, pos, inv, meta, slots = tree_case(1, rows)
+    qkv_of, caches, pos, inv, meta, slots = tree_case(1, rows, hq, hkv)
 
     def two_launch(i, splits):
         q, k, v = qkv_of(i)
@@ -138,27 +140,41 @@ def attention_at(rows: int) -> dict:
         kernel(*qkv_of(i), pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088, **kw)
 
     row: dict = {}
-    tiles = (((16, 32, 4), (32, 32, 4)) if rows == 1 else
-             ((4, 64, 8), (8, 64, 8), (9, 64, 8), (16, 64, 8), (17, 64, 8), (16, 32, 8),
-              (32, 32, 8)))
+    group = hq // hkv
+    if rows == 1:
+        tiles = ((16, 32, 4), (32, 32, 4))
+    elif hkv >= 8:
+        tiles = ((4, 64, 8), (8, 64, 8), (9, 64, 8), (16, 64, 8), (17, 64, 8), (16, 32, 8),
+                 (32, 32, 8))
+    else:  # few KV heads (Qwen2.5-7B: 4): more splits to fill the GPU
+        tiles = ((9, 64, 8), (16, 64, 8), (17, 64, 8), (17, 32, 8), (32, 32, 8), (33, 32, 8))
     for splits, bn, warps in tiles:
         if rows > 1 and bn == 64:
             row[f"two_launch s{splits}"] = graph_us(lambda i, s=splits: two_launch(i, s))
         kw = {"num_splits": splits, "block_n": bn, "num_warps": warps}
         row[f"fused s{splits} n{bn} w{warps}"] = graph_us(lambda i, kw=kw: fused(i, **kw))
-    if rows >= 8:  # 32 rows per program (8 tokens x 4 heads) in 2 row blocks of 16
-        for splits, bn, warps in ((9, 64, 8), (9, 64, 4), (9, 32, 4), (16, 32, 4), (17, 32, 4),
-                                  (32, 32, 4), (32, 32, 8)):
-            kw = {"num_splits": splits, "block_n": bn, "num_warps": warps, "row_blocks": 2}
-            row[f"fused s{splits} n{bn} w{warps} r2"] = graph_us(
+    # A program's rows (8 tokens x the group's heads, padded to a power of two) in row blocks
+    # of 16 or more: 32 rows in 2 for Llama's 4 heads a group, 64 in 2 or 4 for Qwen's 7.
+    blocks = rows * (1 << (group - 1).bit_length()) // 16 if rows >= 8 else 1
+    variants = (((9, 64, 8), (9, 64, 4), (9, 32, 4), (16, 32, 4), (17, 32, 4), (32, 32, 4),
+                 (32, 32, 8)) if hkv >= 8 else
+                ((9, 64, 8), (17, 64, 8), (17, 64, 4), (17, 32, 4), (33, 32, 4)))
+    for rb in (2, 4):
+        if rb > blocks:
+            break
+        for splits, bn, warps in variants:
+            kw = {"num_splits": splits, "block_n": bn, "num_warps": warps, "row_blocks": rb}
+            row[f"fused s{splits} n{bn} w{warps} r{rb}"] = graph_us(
                 lambda i, kw=kw: fused(i, **kw))
     return row
 
 
-def attention(out: dict) -> None:
-    table = out.setdefault("tree_attention_us_per_layer", {})
-    for rows in (1, 2, 8):
-        row = attention_at(rows)
+def attention(out: dict, shape: str) -> None:
+    hq, hkv = SHAPES[shape][2:]
+    llama = shape == "llama-3.1-8b-shape"
+    table = out.setdefault("tree_attention_us_per_layer" + ("" if llama else f" {shape}"), {})
+    for rows in (1, 2, 8) if llama else (1, 8):
+        row = attention_at(rows, hq, hkv)
         table[f"rows {rows}"] = dict(sorted((k, round(v, 2)) for k, v in row.items()))
         best = sorted(row.items(), key=lambda kv: kv[1])[:8]
         gs.log(f"attention rows {rows}: " + ", ".join(f"{k} {v:.2f}" for k, v in best))
@@ -170,7 +186,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--part", choices=("all", "matmuls", "attention"), default="all")
     ap.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.1-8b-shape",
-                    help="the matmul part's model shape (attention: Llama-3.1-8B heads)")
+                    help="the model shape (matmuls: its layers; attention: its heads)")
     ap.add_argument("--rows", default="1,2,4,8", help="the matmul part's row counts")
     ap.add_argument("--one-row-all", action="store_true",
                     help="at one row, time every FMA and tensor-core tile, not the kept one")
@@ -180,7 +196,7 @@ def main() -> None:
     dst.mkdir(parents=True, exist_ok=True)
     dst = dst / "gpu_tiles.json"
     if args.part in ("all", "attention"):
-        attention(out)
+        attention(out, args.shape)
         dst.write_text(json.dumps(out, indent=1))
     if args.part in ("all", "matmuls"):
         matmuls(out, lambda: dst.write_text(json.dumps(out, indent=1)), args.shape,

@@ -31,10 +31,11 @@ import gpu_setup as gs
 from gpu_decode_attn import BS, HKV, HQ, LAYERS, D, graph_us
 
 
-def tree_case(bsz: int, rows: int):
+def tree_case(bsz: int, rows: int, hq: int = HQ, hkv: int = HKV):
     """32 layers' inputs of a verification step: (qkv_of(layer) -> q, k, v; caches; positions;
     inverse frequencies; metadata; slots) for `bsz` sequences of `rows` rows under a binary-tree
-    mask, each over a 1k context."""
+    mask, each over a 1k context, with `hq` query and `hkv` KV heads (Llama-3.1-8B's unless
+    given)."""
     from drafters.tree import ancestor_mask_of
     from specdec.attention import AttentionMetadata
 
@@ -42,10 +43,10 @@ def tree_case(bsz: int, rows: int):
     inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
     per = -(-(ctx + rows) // BS)
     nb = bsz * per
-    caches = [torch.randn(2, nb, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+    caches = [torch.randn(2, nb, BS, hkv, D, device="cuda", dtype=torch.bfloat16)
               for _ in range(LAYERS)]
     t = bsz * rows
-    qkv = [torch.randn(t, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+    qkv = [torch.randn(t, (hq + 2 * hkv) * D, device="cuda", dtype=torch.bfloat16)
            for _ in range(LAYERS)]
     i32 = {"dtype": torch.int32, "device": "cuda"}
     tables = torch.arange(nb, **i32).view(bsz, per)
@@ -62,8 +63,8 @@ def tree_case(bsz: int, rows: int):
 
     def qkv_of(i):
         x = qkv[i]
-        return (x[:, :HQ * D].view(t, HQ, D), x[:, HQ * D:(HQ + HKV) * D].view(t, HKV, D),
-                x[:, (HQ + HKV) * D:].view(t, HKV, D))
+        return (x[:, :hq * D].view(t, hq, D), x[:, hq * D:(hq + hkv) * D].view(t, hkv, D),
+                x[:, (hq + hkv) * D:].view(t, hkv, D))
 
     return qkv_of, caches, pos, inv, meta, slots
 
