@@ -143,11 +143,11 @@ def test_tree_row_blocks(splits, row_blocks):
 
 
 def test_tree_row_blocks_default(monkeypatch):
-    """ROW_BLOCKS caps the row blocks of calls that name none: as many as leave 16 rows each
-    (2 rows x 4 heads: one block)."""
+    """Calls that name no row blocks take as many as leave BLOCK_ROWS rows each, at least one
+    (8 rows x 4 heads: 2 blocks of 16; 2 rows x 4 heads: one block)."""
     import verify_kernels.tree_attention as ta
 
-    monkeypatch.setattr(ta, "ROW_BLOCKS", 4)
+    monkeypatch.setattr(ta, "BLOCK_ROWS", 16)
     tree([(33, TREE7), (200, 8)], 8, 2, 64, 16, splits=4, seed=7)
     tree([(33, [-1]), (200, 2)], 8, 2, 64, 16, splits=4, seed=8)
 

@@ -22,14 +22,17 @@ loads: query starts, the owning sequence, its context, the block table, K, then 
   layer at 9 splits, 13.44 at 16 (13.81 at 16 with the owner last; 32 splits 18.17 against
   20.2), bench/results/gpu_tiles_h200_20261201_owner.json.
 
-A program's BLOCK_M rows are Q query tokens times the GROUP query heads of its KV head, so each
-K/V tile feeds every row. `row_blocks` R spreads them over R programs that read the same tiles
-(R x the grid, each program with 1/R of the rows and their registers): more programs per
-SM and more splits in one wave, for the latency-bound batch-1 step. Not yet timed on the GPU;
-the default stays 1. This is a separate kernel rather than a generalised decode kernel:
-folding Q > 1 into the decode kernel made 1-row steps slower on the H200 (4.74 against
-4.15 ms per Llama-3.1-8B step, `bench/results/gpu_engine_h200_20261130_smallq.*`). Rounding
-follows the unfused path. The reference is `decode_attention.decode_attention_ref`.
+A program's BLOCK_M rows are Q query tokens times the GROUP query heads of its KV head (padded
+to a power of two), so each K/V tile feeds every row. `row_blocks` R spreads them over R
+programs that read the same tiles (R x the grid, each program with 1/R of the rows and their
+registers). 32 rows a program did best: per layer at 8 rows, batch 1, 1k context, Qwen2.5-7B's
+heads (7 a group: 64 rows) took 12.41 us in 2 blocks (9 splits) against 18.69 in one (17
+splits, the best of one) and 14.51 in 4; Llama-3.1-8B's (4 a group: 32 rows) 12.91 in one
+against 14.05 in 2 (bench/results/gpu_tiles_h200_20261201_rowblocks.json).
+
+This is a separate kernel rather than a generalised decode kernel: folding Q > 1 into the
+decode kernel made 1-row steps slower on the H200 (4.74 against 4.15 ms per Llama-3.1-8B step,
+`bench/results/gpu_engine_h200_20261130_smallq.*`). Rounding follows the unfused path. The reference is `decode_attention.decode_attention_ref`.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ _LOG2E = 1.4426950408889634
 MAX_Q = 8
 MAX_SEQS = 4
 KERNEL_MAX_Q = 16
-# Row blocks when a call names none: up to this many, each of 16 rows or more (`tree_attention`).
-ROW_BLOCKS = 1
+# Rows a program takes when a call names no row blocks (`tree_attention`): BLOCK_M rows in
+# BLOCK_M / BLOCK_ROWS blocks (at least one).
+BLOCK_ROWS = 32
 
 
 @triton.jit
@@ -226,7 +230,7 @@ def tree_attention(
     `row_blocks` R splits a program's rows (Q tokens x the KV head's query heads) over R
     programs of at least 16 rows each, which read the same KV tiles: fewer registers per
     program, so more programs per SM (at 8 rows a program of 32 rows holds about an SM's).
-    None takes up to ROW_BLOCKS, as many as leave each block 16 rows."""
+    None takes as many as leave each block BLOCK_ROWS rows (at least one)."""
     t, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
     bsz = meta.num_seqs
@@ -256,7 +260,7 @@ def tree_attention(
     group_p, q_p = _next_pow2(group), _next_pow2(ql)
     block_m = max(16, q_p * group_p)
     if row_blocks is None:
-        row_blocks = min(ROW_BLOCKS, block_m // 16)
+        row_blocks = max(1, block_m // BLOCK_ROWS)
     assert row_blocks >= 1 and block_m % row_blocks == 0 and block_m // row_blocks >= 16, (
         f"{row_blocks} row blocks of {block_m} rows: each needs 16 or more")
     splits = num_splits
