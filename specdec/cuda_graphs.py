@@ -5,7 +5,10 @@ is padded to Q rows and the batch to B sequences, so one captured graph serves e
 that shape. Graph inputs live in a static device buffer that is filled, once per step, by one
 non-blocking copy from a pinned host buffer; the attention kernel reads the step's metadata
 from device memory, so with its grid and split count fixed per bucket a replay is exact. With
-one row per sequence the LM head is in the graph too; its logits are valid until the next replay.
+one row per sequence, or at most LOGITS_IN_GRAPH_TOKENS rows in all (a batch-1 or batch-2
+verification step), the LM head is in the graph too (its logits are valid until the next
+replay): no gather of the rows that need logits and no launch of the LM head after the replay,
+and its tiles are tuned in the whole step like the other matmuls'.
 
 Padding, and why it is harmless:
 - a padded row has slot -1 (the KV write skips it), position 0 and token 0;
@@ -47,6 +50,9 @@ from specdec.graph_tuning import (
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 TOKENS_PER_SEQ = (1, 2, 4, 8, 16, 32, 64)
 MAX_GRAPH_TOKENS = 2048
+# Buckets of up to this many rows (the few-row matmul's limit) compute every row's logits in
+# the graph; the LM head reads its weight once whatever the rows.
+LOGITS_IN_GRAPH_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -118,8 +124,9 @@ def pack_step(
     h64: np.ndarray,  # [>= lay.n64] int64
     h32: np.ndarray,  # [>= lay.n32] int32
     hmask: np.ndarray,  # [>= lay.nmask] bool
-) -> tuple[int, list[int]]:
-    """Write a step's padded inputs in `lay`'s layout; return (logits rows, row offsets)."""
+) -> tuple[int, list[int], bool]:
+    """Write a step's padded inputs in `lay`'s layout; return (logits rows, row offsets, whether
+    those rows are the bucket's first rows in order)."""
     t, b, q, w = lay.tokens, lay.batch, lay.q, lay.width
     # Padded rows are assembled as host lists and written with one numpy call per buffer
     # region: per-segment numpy calls cost more than the few ints of a decode step.
@@ -155,7 +162,7 @@ def pack_step(
             n = len(s.tokens)
             mask[idx, :n, :n] = (s.mask.numpy() if s.mask is not None
                                  else np.tri(n, dtype=bool))
-    return len(rows), offsets
+    return len(rows), offsets, rows == list(range(len(rows)))
 
 
 def padded_metadata(lay: Layout, d64: torch.Tensor, d32: torch.Tensor, dmask: torch.Tensor,
@@ -262,7 +269,7 @@ class GraphRunner:
         lay = Layout(key[0], key[1], self.width)
         if key not in self.graphs:
             self._capture(lay)
-        n_rows, offsets = self._stage(segments, lay)
+        n_rows, offsets, leading = self._stage(segments, lay)
         d64 = self._views(self.dbuf, lay)[0]
         if token_source is not None:
             assert lay.q == 1, "token_source needs one-row segments"
@@ -270,7 +277,7 @@ class GraphRunner:
         graph, (hidden, logits) = self.graphs[key]
         graph.replay()
         self.replays += 1
-        if logits is not None and lay.q == 1 and n_rows == len(segments):  # one row each
+        if logits is not None and leading:  # the rows with logits come first, in order
             # Views of graph memory: their readers are queued before the next step's replay.
             return StepOutput(logits[:n_rows], hidden[:n_rows], offsets)
         idx = d64[lay.rows_at:lay.rows_at + n_rows]
@@ -292,7 +299,7 @@ class GraphRunner:
         torch.cuda.synchronize(self.device)
         return n
 
-    def _stage(self, segments: list[Any], lay: Layout) -> tuple[int, list[int]]:
+    def _stage(self, segments: list[Any], lay: Layout) -> tuple[int, list[int], bool]:
         """Pack `segments` into the pinned buffer and queue its one copy to the device."""
         self._copied.synchronize()  # the previous step's copy has read the pinned buffer
         h64, h32, hmask = self._views(self.hbuf, lay)
@@ -308,12 +315,13 @@ class GraphRunner:
                 buf[lay.at_mask:lay.nbytes].view(torch.bool))
 
     def forward(self, lay: Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """([T, hidden], and with one row per sequence its [T, V] logits: the LM head joins
-        the graph where every row has logits), on the staged inputs."""
+        """([T, hidden], and [T, V] logits with one row per sequence or at most
+        LOGITS_IN_GRAPH_TOKENS rows: there the LM head joins the graph), on the staged inputs."""
         ids, pos, meta = padded_metadata(lay, *self._views(self.dbuf, lay), self.block_size)
         backend = _FixedSplits(self.backend, self.num_splits(lay.batch, lay.q))
         hidden, _ = self.model(ids, pos, meta, self.kv, backend)
-        return hidden, self.model.compute_logits(hidden) if lay.q == 1 else None
+        in_graph = lay.q == 1 or lay.tokens <= LOGITS_IN_GRAPH_TOKENS
+        return hidden, self.model.compute_logits(hidden) if in_graph else None
 
     def capture(self, lay: Layout) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         """A graph of `forward` with the current split count and tiles."""

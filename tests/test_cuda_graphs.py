@@ -86,7 +86,7 @@ def test_padded_step_matches_eager(engine, num_seqs):
     h64 = np.zeros(lay.n64, dtype=np.int64)
     h32 = np.zeros(lay.n32, dtype=np.int32)
     hmask = np.zeros(max(lay.nmask, 1), dtype=bool)
-    n_rows, offsets = pack_step(segs, lay, h64, h32, hmask)
+    n_rows, offsets, _ = pack_step(segs, lay, h64, h32, hmask)
     assert offsets == eager.row_offsets and n_rows == eager.logits.shape[0]
     ctx_host = tuple(int(x) for x in h32[b + 1:2 * b + 1])
     ids, pos, meta = padded_metadata(lay, torch.from_numpy(h64), torch.from_numpy(h32),

@@ -12,6 +12,8 @@ if not torch.cuda.is_available():
 
 from specdec.attention import write_kv_ref
 from verify_kernels.fused_ops import (
+    embed_scaled,
+    embed_scaled_ref,
     rms_norm,
     rms_norm_ref,
     rope_ref,
@@ -38,6 +40,27 @@ def test_rms_norm(t, h):
     x = torch.randn(t, h, generator=g).to(DEV, DT)
     w = torch.randn(h, generator=g).to(DEV, DT)
     torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), **TOL)
+
+
+@pytest.mark.parametrize("t,h", [(1, 64), (7, 96), (16, 128)])
+def test_embed_scaled(t, h):
+    """Embedding rows, and the first norm's input as a matmul consuming `prenormed` reads it:
+    the qkv matmul on it equals the one with the norm folded in."""
+    from verify_kernels.skinny_gemm import ScaledRows
+
+    g = torch.Generator().manual_seed(t + h)
+    table = torch.randn(50, h, generator=g).to(DEV, DT)
+    norm = (torch.rand(h, generator=g) + 0.5).to(DEV, DT)
+    ids = torch.randint(0, 50, (t,), generator=g).to(DEV)
+    out, scaled, ss = embed_scaled(ids, table, norm)
+    ref = embed_scaled_ref(ids, table, norm)
+    assert torch.equal(out, ref[0])
+    torch.testing.assert_close(scaled, ref[1], **TOL)
+    torch.testing.assert_close(ss, ref[2], **TOL)
+    w = (torch.randn(24, h, generator=g) / h ** 0.5).to(DEV, DT)
+    got = fused_linear(out, w, norm_weight=norm, eps=1e-5, prenormed=ScaledRows(scaled, ss))
+    torch.testing.assert_close(got.float(), skinny_linear_ref(out, w, norm_weight=norm,
+                                                              eps=1e-5).float(), **MM_TOL)
 
 
 @pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 2, 64), (5, 6, 2, 128), (3, 2, 2, 64)])

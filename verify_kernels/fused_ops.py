@@ -55,6 +55,59 @@ def rms_norm_ref(x, weight, eps):
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+@triton.jit
+def _embed_scaled_kernel(
+    ids_ptr,  # [T] int64
+    table_ptr,  # [V, H]
+    g_ptr,  # [H] the first layer's input norm weight
+    out_ptr,  # [T, H] the residual stream
+    scaled_ptr,  # [T, H] rows times g, the norm's input for the qkv matmul
+    ss_ptr,  # [1, T] float32 sums of squares of the rows
+    stride_table, hidden,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < hidden
+    tok = tl.load(ids_ptr + row)
+    x = tl.load(table_ptr + tok * stride_table + cols, mask=m, other=0.0)
+    tl.store(out_ptr + row * hidden + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    tl.store(ss_ptr + row, tl.sum(xf * xf, axis=0))
+    g = tl.load(g_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(scaled_ptr + row * hidden + cols, (xf * g).to(scaled_ptr.dtype.element_ty), mask=m)
+
+
+def embed_scaled(
+    ids: torch.Tensor,  # [T] int64
+    table: torch.Tensor,  # [V, H]
+    norm_weight: torch.Tensor,  # [H]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The embedding rows of `ids` ([T, H], the residual stream) and the first RMSNorm's input
+    as a residual-writing matmul would leave it (skinny_gemm.ScaledRows' fields: the rows times
+    `norm_weight` in the table's dtype, and their float32 sums of squares as one partial,
+    [1, T]). The first layer's qkv matmul then takes it as `prenormed`, like every other layer:
+    no norm folded into its loop, one tile choice shared by all layers. Ids are not checked
+    here (the engine checks them on admission)."""
+    assert ids.dim() == 1 and ids.dtype == torch.int64 and ids.is_contiguous()
+    assert table.dim() == 2 and table.stride(1) == 1
+    assert norm_weight.shape == (table.shape[1],) and norm_weight.is_contiguous()
+    t, h = ids.shape[0], table.shape[1]
+    out = torch.empty(t, h, dtype=table.dtype, device=table.device)
+    scaled = torch.empty_like(out)
+    ss = torch.empty(1, t, dtype=torch.float32, device=table.device)
+    if t:
+        _embed_scaled_kernel[(t,)](ids, table, norm_weight, out, scaled, ss, table.stride(0), h,
+                                   BLOCK=triton.next_power_of_2(h))
+    return out, scaled, ss
+
+
+def embed_scaled_ref(ids, table, norm_weight):
+    x = table[ids]
+    xf = x.float()
+    return x, (xf * norm_weight.float()).to(table.dtype), xf.pow(2).sum(-1)[None, :]
+
+
 def rope_ref(x, positions, inv_freq, scaling=1.0):
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)

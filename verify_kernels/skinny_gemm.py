@@ -17,8 +17,9 @@ nothing else. This kernel folds them into the matmul:
 - the norm hand-off (`residual_linear`, `prenormed`): a residual-writing matmul also stores its
   rows times the next norm's weight and, per program, their sums of squares over its columns
   (`ScaledRows`). The matmul after the norm reads those rows as they are and scales its output
-  by rstd. Of a model's norms only the first (and the final one, before the LM head) is left
-  to run otherwise.
+  by rstd. The first norm's input comes the same way from the embedding lookup
+  (`fused_ops.embed_scaled`); of a model's norms only the final one, before the LM head, runs
+  otherwise.
 
 A program owns BLOCK_N output columns of every row and walks K. It reduces either with FMAs
 (the prologues fold in; one row always, and up to 8 rows as a candidate) or with tensor-core

@@ -32,7 +32,8 @@ against 14.05 in 2 (bench/results/gpu_tiles_h200_20261201_rowblocks.json).
 
 This is a separate kernel rather than a generalised decode kernel: folding Q > 1 into the
 decode kernel made 1-row steps slower on the H200 (4.74 against 4.15 ms per Llama-3.1-8B step,
-`bench/results/gpu_engine_h200_20261130_smallq.*`). Rounding follows the unfused path. The reference is `decode_attention.decode_attention_ref`.
+`bench/results/gpu_engine_h200_20261130_smallq.*`). Rounding follows the unfused path. The
+reference is `decode_attention.decode_attention_ref`.
 """
 
 from __future__ import annotations

@@ -223,11 +223,19 @@ class LlamaForCausalLM(nn.Module):
         index in `capture_layers` (what EAGLE-style drafters consume)."""
         m = self.model
         if self.fused:
-            from verify_kernels.fused_ops import rms_norm
+            from verify_kernels.fused_ops import embed_scaled, rms_norm
+            from verify_kernels.skinny_gemm import EMIT_MIN_ROWS, MAX_ROWS, ScaledRows
 
-            res = m.embed_tokens(input_ids)  # [T, hidden], the residual stream
-            captured: list[torch.Tensor] = []
             prenormed = None
+            if EMIT_MIN_ROWS <= input_ids.shape[0] <= MAX_ROWS:
+                # The residual stream and the first norm's input, handed on as each layer's
+                # o_proj and down hand on the next norm's (verify_kernels/skinny_gemm.py).
+                res, scaled, sumsq = embed_scaled(input_ids, m.embed_tokens.weight,
+                                                  m.layers[0].input_layernorm.weight)
+                prenormed = ScaledRows(scaled, sumsq)
+            else:
+                res = m.embed_tokens(input_ids)  # [T, hidden], the residual stream
+            captured: list[torch.Tensor] = []
             for i, layer in enumerate(m.layers):
                 nxt = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else None
                 prenormed = layer.forward_fused(res, positions, meta, kv_cache[i], backend,
