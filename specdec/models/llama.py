@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from verify_kernels.skinny_gemm import ScaledRows
 
 
+# The fused path's embedding lookup leaves the first norm's input for the first qkv matmul
+# (verify_kernels/fused_ops.embed_scaled); off, that matmul folds the norm into its loop.
+EMBED_HANDOFF = True
+
+
 @dataclass(frozen=True)
 class ArchFlags:
     qkv_bias: bool
@@ -227,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
             from verify_kernels.skinny_gemm import EMIT_MIN_ROWS, MAX_ROWS, ScaledRows
 
             prenormed = None
-            if EMIT_MIN_ROWS <= input_ids.shape[0] <= MAX_ROWS:
+            if EMBED_HANDOFF and EMIT_MIN_ROWS <= input_ids.shape[0] <= MAX_ROWS:
                 # The residual stream and the first norm's input, handed on as each layer's
                 # o_proj and down hand on the next norm's (verify_kernels/skinny_gemm.py).
                 res, scaled, sumsq = embed_scaled(input_ids, m.embed_tokens.weight,
