@@ -264,6 +264,17 @@ def test_runner_tunes_on_placeholders_and_replays_exactly(tiny_llama, monkeypatc
         graphed = runner.execute([step]).logits
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
     assert runner.replays == 2 and runner.eager_steps == 0
+    # Two sequences of 2 and 3 rows in the (2, 4) bucket: the LM head is in its graph (8 rows)
+    # and the rows with logits (0, 1, 4, 5, 6) are gathered from it.
+    a = _prefilled(eng, "a", [5, 6, 7, 8, 9], 1)
+    b = _prefilled(eng, "b", [10, 11, 12, 13, 14, 15], 2)
+    segs = [_step_segment(eng, a, [21], [-1]), _step_segment(eng, b, [22, 23], [-1, -1])]
+    with torch.inference_mode():
+        eager = eng.runner.execute(segs)
+        graphed = runner.execute(segs)
+    assert graphed.row_offsets == eager.row_offsets == [0, 2]
+    torch.testing.assert_close(graphed.logits, eager.logits, rtol=1e-4, atol=1e-4)
+    assert runner.graphs[(2, 4)][1][1] is not None and runner.replays == 3
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for CUDA graphs")

@@ -19,9 +19,12 @@ if TYPE_CHECKING:
     from verify_kernels.skinny_gemm import ScaledRows
 
 
-# The fused path's embedding lookup leaves the first norm's input for the first qkv matmul
-# (verify_kernels/fused_ops.embed_scaled); off, that matmul folds the norm into its loop.
-EMBED_HANDOFF = True
+# From this many rows (up to the few-row matmul's 16) the fused path's embedding lookup leaves
+# the first norm's input for the first qkv matmul (verify_kernels/fused_ops.embed_scaled);
+# below, that matmul folds the norm into its loop. On the H200 (Llama-3.1-8B shape, batch 1,
+# steps timed alternately in one process) the hand-off made the 8-row step 5-10 us faster and
+# the 1-row step 8-13 us slower (bench/results/gpu_ab_h200_20261201.json).
+EMBED_HANDOFF_MIN_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -232,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
             from verify_kernels.skinny_gemm import EMIT_MIN_ROWS, MAX_ROWS, ScaledRows
 
             prenormed = None
-            if EMBED_HANDOFF and EMIT_MIN_ROWS <= input_ids.shape[0] <= MAX_ROWS:
+            if max(EMBED_HANDOFF_MIN_ROWS, EMIT_MIN_ROWS) <= input_ids.shape[0] <= MAX_ROWS:
                 # The residual stream and the first norm's input, handed on as each layer's
                 # o_proj and down hand on the next norm's (verify_kernels/skinny_gemm.py).
                 res, scaled, sumsq = embed_scaled(input_ids, m.embed_tokens.weight,
