@@ -36,9 +36,25 @@ class Sequence:
     spec_k: int = 0
     spec_options: dict = field(default_factory=dict)
 
+    # prompt + output as one list, extended as the output grows (`tokens`).
+    _joined: list[int] = field(default_factory=list, repr=False, compare=False)
+    _joined_from: tuple = field(default=(), repr=False, compare=False)  # (prompt, output) lists
+
     @property
     def tokens(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """The prompt and the output as one list, for reading only: it is kept and extended as
+        the output grows rather than rebuilt on each call (a speculative step asks for every
+        drafting sequence's tokens, a thousand or more each at long contexts). Rebuilt when the
+        prompt or output list is replaced (the output only ever grows in place)."""
+        p, o, j = self.prompt_token_ids, self.output_token_ids, self._joined
+        n = len(p)
+        src = self._joined_from
+        if not src or src[0] is not p or src[1] is not o or not n <= len(j) <= n + len(o):
+            j = self._joined = p + o
+            self._joined_from = (p, o)
+        elif len(j) < n + len(o):
+            j += o[len(j) - n:]
+        return j
 
     @property
     def last_token(self) -> int:

@@ -127,3 +127,19 @@ def test_scheduler_preempts_newest_when_blocks_run_out():
     assert [p.request_id for p in plan.preempted] == ["2"]
     assert [d.seq.request_id for d in plan.decodes] == ["0", "1"]
     assert seqs[2] in sch.waiting and seqs[2].num_computed == 0 and not seqs[2].block_table
+
+
+def test_sequence_tokens_follow_the_output():
+    """`tokens` is kept and extended as the output grows; it always reads prompt + output,
+    also after either list is replaced."""
+    seq = Sequence("t", [1, 2, 3], SamplingParams())
+    first = seq.tokens
+    assert first == [1, 2, 3]
+    seq.output_token_ids += [7, 8]
+    assert seq.tokens is first and first == [1, 2, 3, 7, 8]
+    seq.output_token_ids += [9]
+    assert seq.tokens == [1, 2, 3, 7, 8, 9]
+    seq.prompt_token_ids = [4, 5]
+    assert seq.tokens == [4, 5, 7, 8, 9]
+    seq.output_token_ids = [6]
+    assert seq.tokens == [4, 5, 6] and seq.num_tokens == 3
