@@ -33,7 +33,11 @@ export PYTHONUNBUFFERED=1
     SPECDEC_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q --noconftest -p no:cacheprovider \
       tests/test_kernels.py tests/test_fused_ops.py tests/test_decode_attention.py \
       tests/test_argmax.py 2>&1 | tail -15
-    timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tail -5
+    # Nothing timed (the first tile candidate, no in-graph tuning): timing the tiny test model's
+    # tiles took the graph tests past 100-120 s on 2026-12-01 (bench/results/HISTORY.md); these
+    # tests check replays against the eager path, and the benchmarks exercise the tuning.
+    SPECDEC_SKINNY_TUNE=0 SPECDEC_TUNE_GRAPHS=0 timeout 200 python3 -m pytest -q -x \
+      -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tail -5
     timeout 180 python3 bench/gpu_step_profile.py --skip-linear --out "$out"
   fi
   if [ "$part" = engine ] || [ "$part" = all ]; then
