@@ -5,8 +5,8 @@ is padded to Q rows and the batch to B sequences, so one captured graph serves e
 that shape. Graph inputs live in a static device buffer that is filled, once per step, by one
 non-blocking copy from a pinned host buffer; the attention kernel reads the step's metadata
 from device memory, so with its grid and split count fixed per bucket a replay is exact. With
-one row per sequence, or at most LOGITS_IN_GRAPH_TOKENS rows in all (a batch-1 or batch-2
-verification step), the LM head is in the graph too (its logits are valid until the next
+one row per sequence, or at most LOGITS_IN_GRAPH_TOKENS rows in all (verification steps of
+one or a few sequences), the LM head is in the graph too (its logits are valid until the next
 replay): no gather of the rows that need logits and no launch of the LM head after the replay,
 and its tiles are tuned in the whole step like the other matmuls'.
 
