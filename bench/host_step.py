@@ -3,15 +3,16 @@
 A tiny random Llama on the CPU (2 layers, hidden 64, vocabulary 512) makes the forward pass
 cheap, and the runner's forward is timed and subtracted: what is left is the engine's own work
 per step (scheduling, drafting, trees and masks, input packing, verification, KV commits,
-detokenizing, outputs). Batch 16, 64-token prompts, 96 new tokens, greedy; plain decoding and
-the replay drafter (k = 7, tau about 3) as a chain and as a tree of 2 branches.
+detokenizing, outputs). Batch 16, 64-token prompts (--prompt-tokens: up to 900, the tiny
+model's 1024 positions less the new tokens), 96 new tokens, greedy; plain decoding and the
+replay drafter (k = 7, tau about 3) as a chain and as a tree of 2 branches.
 
 With overlap on, a step's outputs are built (detokenized) after the next step's pass is
 launched, so on a GPU that part runs beside the device: "serial" is the host work left between
 reading a step back and launching the next (the CPU runs everything in turn, so the total is
 the same here).
 
-    PYTHONPATH=. python3 bench/host_step.py [--out FILE]
+    PYTHONPATH=. python3 bench/host_step.py [--out FILE] [--prompt-tokens N]
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompt-tokens", type=int, default=64,
+                    help="prompt length (the GPU benchmarks' contexts are 1k tokens)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from drafters import replay
@@ -52,7 +55,8 @@ def main() -> None:
               load_format="dummy")
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 512, (64,), generator=g).tolist() for _ in range(16)]
+    prompts = [torch.randint(10, 512, (args.prompt_tokens,), generator=g).tolist()
+               for _ in range(16)]
     greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     for p, o in zip(prompts, llm.generate(prompts, greedy)):
         replay.record(p, o.token_ids)
@@ -91,7 +95,8 @@ def main() -> None:
              "tree": {"method": "replay", "num_speculative_tokens": 7, "branches": 2,
                       "corrupt_rate": rate}}
     res: dict = {"python": platform.python_version(), "torch": torch.__version__,
-                 "machine": platform.machine(), "batch": 16, "host_ms_per_step": {}}
+                 "machine": platform.machine(), "batch": 16,
+                 "prompt_tokens": args.prompt_tokens, "host_ms_per_step": {}}
     for name, spec in specs.items():
         for overlap in (False, True):
             host_ms(spec, overlap)  # warm-up
