@@ -4,9 +4,10 @@ the tiles timed alone), then the runner's step is timed at 1 and 8 rows per sequ
 1k context, the configurations alternated over several rounds (medians per configuration).
 
 Switches: `embed` (specdec.models.llama.EMBED_HANDOFF_MIN_ROWS: 1, the embedding lookup hands
-the first norm's input to the first qkv matmul at every row count, or 17, at none; the
-default since this was run is 2) and `logits` (specdec.cuda_graphs.LOGITS_IN_GRAPH_TOKENS:
-16 keeps the LM head of buckets of up to 16 rows in the graph, 0 only of one-row buckets).
+the first norm's input to the first qkv matmul at every row count, or past the few-row
+matmul's 16, at none; the default since this was run is 2) and `logits`
+(specdec.cuda_graphs.LOGITS_IN_GRAPH_TOKENS: 16 keeps the LM head of buckets of up to 16 rows
+in the graph, 0 only of one-row buckets).
 
     PYTHONPATH=. python3 bench/gpu_ab.py --out DIR [--model llama-3.1-8b-shape]
 """
@@ -41,6 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     import specdec.cuda_graphs as cg
     import specdec.models.llama as llama
+    from verify_kernels import skinny_gemm
 
     out = gs.run_info()
     out.update({"model": args.model, "command": " ".join(["python3"] + sys.argv)})
@@ -53,7 +55,7 @@ def main() -> None:
     times: dict[str, dict[int, list[float]]] = {}
     for rnd in range(args.rounds):
         for cfg in configs:
-            llama.EMBED_HANDOFF_MIN_ROWS = 1 if cfg["embed"] else 17
+            llama.EMBED_HANDOFF_MIN_ROWS = 1 if cfg["embed"] else skinny_gemm.MAX_ROWS + 1
             cg.LOGITS_IN_GRAPH_TOKENS = cfg["logits"]
             engine.runner.graphs.graphs.clear()  # captured afresh under this configuration
             name = f"embed={int(cfg['embed'])} logits={cfg['logits']}"

@@ -61,12 +61,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="llama-3.1-8b-shape", choices=tuple(gs.SHAPES))
-    ap.add_argument("--phase-of", default=None, help=argparse.SUPPRESS)  # (cache dir) internal
+    # Internal: run one phase (its name) against the cache directory, in a process of its own.
+    ap.add_argument("--phase", nargs=2, metavar=("NAME", "CACHE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     out = Path(args.out)
-    if args.phase_of is not None:
-        res = phase(args.model, Path(args.phase_of))
-        (out / f"phase_{len(list(out.glob('phase_*.json')))}.json").write_text(json.dumps(res))
+    if args.phase is not None:
+        name, cache = args.phase
+        (out / f"phase_{name}.json").write_text(json.dumps(phase(args.model, Path(cache))))
         return
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(tempfile.mkdtemp())
@@ -74,8 +75,8 @@ def main() -> None:
     report.update({"model": args.model, "command": " ".join(["python3"] + sys.argv)})
     for name in ("first", "second"):
         subprocess.run([sys.executable, __file__, "--out", str(out), "--model", args.model,
-                        "--phase-of", str(cache)], check=True)
-        res = json.loads(sorted(out.glob("phase_*.json"))[-1].read_text())
+                        "--phase", name, str(cache)], check=True)
+        res = json.loads((out / f"phase_{name}.json").read_text())
         report[name] = res
         gs.log(f"{name}: capture_all {res['capture_all_s']:.1f} s, loaded "
                f"{res['loaded_buckets']}, splits {res['splits']}, step ms "

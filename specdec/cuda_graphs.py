@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -98,6 +98,17 @@ class Layout:
     @property
     def nbytes(self) -> int:
         return self.at_mask + self.nmask
+
+
+class _Staging(NamedTuple):
+    """A bucket's views of the staging buffers (`GraphRunner._staging`)."""
+
+    h64: np.ndarray  # the pinned buffer's int64, int32 and mask parts, as numpy arrays
+    h32: np.ndarray
+    hmask: np.ndarray
+    d64: torch.Tensor  # the device buffer's int64 part
+    src: torch.Tensor  # the pinned and device bytes the step's copy moves
+    dst: torch.Tensor
 
 
 def pick_bucket(segments: list[Any], width: int, block_size: int,
@@ -225,7 +236,7 @@ class GraphRunner:
         self.dbuf = torch.zeros(most, dtype=torch.uint8, device=device)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        self._staged: dict[Layout, tuple] = {}  # per bucket, `_staging`'s views
+        self._staged: dict[Layout, _Staging] = {}  # per bucket, made once
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         self.replays = 0
@@ -271,7 +282,7 @@ class GraphRunner:
         if key not in self.graphs:
             self._capture(lay)
         n_rows, offsets, leading = self._stage(segments, lay)
-        d64 = self._staging(lay)[3]
+        d64 = self._staging(lay).d64
         if token_source is not None:
             assert lay.q == 1, "token_source needs one-row segments"
             d64[:len(segments)].copy_(token_source)  # after the staged ids, same stream
@@ -303,23 +314,21 @@ class GraphRunner:
     def _stage(self, segments: list[Any], lay: Layout) -> tuple[int, list[int], bool]:
         """Pack `segments` into the pinned buffer and queue its one copy to the device."""
         self._copied.synchronize()  # the previous step's copy has read the pinned buffer
-        h64, h32, hmask, _, src, dst = self._staging(lay)
-        packed = pack_step(segments, lay, h64, h32, hmask)
-        dst.copy_(src, non_blocking=True)
+        v = self._staging(lay)
+        packed = pack_step(segments, lay, v.h64, v.h32, v.hmask)
+        v.dst.copy_(v.src, non_blocking=True)
         self._copied.record()
         return packed
 
-    def _staging(self, lay: Layout) -> tuple:
-        """The bucket's views of the staging buffers, made once: (int64, int32 and mask parts
-        of the pinned buffer as numpy arrays, the device int64 part, the pinned and device
-        bytes the step's copy moves). A step's host work before its replay is time the GPU
-        waits, at every step of a speculative batch."""
+    def _staging(self, lay: Layout) -> _Staging:
+        """The bucket's views of the staging buffers, made once: a step's host work before its
+        replay is time the GPU waits, at every step of a speculative batch."""
         v = self._staged.get(lay)
         if v is None:
             h64, h32, hmask = self._views(self.hbuf, lay)
-            v = (h64.numpy(), h32.numpy(), hmask.numpy(), self._views(self.dbuf, lay)[0],
-                 self.hbuf[:lay.nbytes], self.dbuf[:lay.nbytes])
-            self._staged[lay] = v
+            v = self._staged[lay] = _Staging(
+                h64.numpy(), h32.numpy(), hmask.numpy(), self._views(self.dbuf, lay)[0],
+                self.hbuf[:lay.nbytes], self.dbuf[:lay.nbytes])
         return v
 
     @staticmethod
