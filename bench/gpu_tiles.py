@@ -169,6 +169,65 @@ def attention_at(rows: int, hq: int = HQ, hkv: int = HKV) -> dict:
     return row
 
 
+# Configurations that give each busy program one KV tile at 1k context (the kernels' 2-3 tiles a
+# program cost ~1.9 us per extra 64-column tile at 2 and 8 rows in the runs above), each as
+# (splits, tile columns, warps, row blocks, register cap or None), beside the ones kept.
+WIDE = {
+    1: ((32, 32, 4, 1, None), (33, 32, 4, 1, None), (17, 64, 4, 1, None), (17, 64, 8, 1, None),
+        (9, 128, 4, 1, None), (9, 128, 8, 1, None)),
+    2: ((9, 64, 8, 1, None), (16, 32, 8, 1, None), (9, 128, 8, 1, None), (9, 128, 4, 1, None),
+        (17, 64, 4, 1, None), (17, 64, 8, 1, 128), (33, 32, 4, 1, None), (33, 32, 8, 1, 128),
+        (17, 64, 4, 1, 128), (5, 256, 8, 1, None)),
+    8: ((9, 64, 8, 1, None), (9, 128, 8, 1, None), (9, 128, 4, 1, None), (17, 64, 4, 1, None),
+        (17, 64, 8, 1, 128), (33, 32, 4, 1, None), (33, 32, 8, 1, 128), (17, 32, 8, 1, 128),
+        (9, 128, 4, 2, None), (17, 64, 4, 2, None), (17, 64, 4, 2, 128), (33, 32, 4, 2, None),
+        (33, 32, 4, 2, 128), (9, 64, 8, 1, 128)),
+}
+WIDE_FEW_KV = {  # 4 KV heads (Qwen2.5-7B): rows 8 only
+    1: ((32, 32, 4, 1, None), (33, 32, 4, 1, None), (17, 64, 4, 1, None), (17, 64, 8, 1, None)),
+    8: ((9, 64, 8, 2, None), (9, 128, 8, 2, None), (9, 128, 4, 2, None), (9, 128, 4, 4, None),
+        (17, 64, 4, 4, None), (17, 64, 8, 2, 128), (17, 64, 4, 2, None), (33, 32, 4, 4, None),
+        (33, 32, 4, 4, 128), (33, 32, 8, 2, 128), (17, 64, 8, 2, None)),
+}
+
+
+def attention_wide_at(rows: int, hq: int = HQ, hkv: int = HKV) -> dict:
+    """Per-layer microseconds of the WIDE configurations at `rows` rows (1: the decode kernel)."""
+    from gpu_verify_attn import tree_case
+
+    from verify_kernels.decode_attention import decode_attention
+    from verify_kernels.tree_attention import tree_attention
+
+    qkv_of, caches, pos, inv, meta, _ = tree_case(1, rows, hq, hkv)
+    row: dict = {}
+    for splits, bn, warps, rb, cap in (WIDE if hkv >= 8 else WIDE_FEW_KV)[rows]:
+        name = f"fused s{splits} n{bn} w{warps}" + (f" r{rb}" if rb > 1 else "") + (
+            f" cap{cap}" if cap else "")
+        kw = {"num_splits": splits, "block_n": bn, "num_warps": warps}
+        if rows > 1:
+            kw.update(row_blocks=rb, max_registers=cap)
+
+        def call(i, kw=kw):
+            kernel = decode_attention if rows == 1 else tree_attention
+            kernel(*qkv_of(i), pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088, **kw)
+        try:
+            row[name] = graph_us(call)
+        except Exception as e:  # e.g. out of shared memory: say so and go on
+            gs.log(f"{name}: {type(e).__name__}: {str(e)[:120]}")
+    return row
+
+
+def attention_wide(out: dict, shape: str) -> None:
+    hq, hkv = SHAPES[shape][2:]
+    table = out.setdefault(f"wide_attention_us_per_layer {shape}", {})
+    for rows in sorted(WIDE if hkv >= 8 else WIDE_FEW_KV):
+        row = attention_wide_at(rows, hq, hkv)
+        table[f"rows {rows}"] = dict(sorted((k, round(v, 2)) for k, v in row.items()))
+        best = sorted(row.items(), key=lambda kv: kv[1])
+        gs.log(f"wide rows {rows}: " + ", ".join(f"{k} {v:.2f}" for k, v in best))
+        torch.cuda.empty_cache()
+
+
 def attention(out: dict, shape: str) -> None:
     hq, hkv = SHAPES[shape][2:]
     llama = shape == "llama-3.1-8b-shape"
@@ -184,7 +243,7 @@ def attention(out: dict, shape: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--part", choices=("all", "matmuls", "attention"), default="all")
+    ap.add_argument("--part", choices=("all", "matmuls", "attention", "wide"), default="all")
     ap.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.1-8b-shape",
                     help="the model shape (matmuls: its layers; attention: its heads)")
     ap.add_argument("--rows", default="1,2,4,8", help="the matmul part's row counts")
@@ -197,6 +256,9 @@ def main() -> None:
     dst = dst / "gpu_tiles.json"
     if args.part in ("all", "attention"):
         attention(out, args.shape)
+        dst.write_text(json.dumps(out, indent=1))
+    if args.part == "wide":
+        attention_wide(out, args.shape)
         dst.write_text(json.dumps(out, indent=1))
     if args.part in ("all", "matmuls"):
         matmuls(out, lambda: dst.write_text(json.dumps(out, indent=1)), args.shape,

@@ -214,10 +214,13 @@ class _FixedSplits:
     def fuses(self, meta: AttentionMetadata) -> bool:
         return self.inner.fuses(meta) if hasattr(self.inner, "fuses") else False
 
+    def step_rope(self, meta: AttentionMetadata, positions, inv_freq, rope_scaling):
+        return self.inner.step_rope(meta, positions, inv_freq, rope_scaling)
+
     def decode(self, q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, rope=None) -> torch.Tensor:
         return self.inner.decode(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
-                                 meta, scale, num_splits=self.splits)
+                                 meta, scale, num_splits=self.splits, rope=rope)
 
 
 class GraphRunner:

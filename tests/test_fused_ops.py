@@ -17,6 +17,8 @@ from verify_kernels.fused_ops import (
     rms_norm,
     rms_norm_ref,
     rope_ref,
+    rope_table,
+    rope_table_ref,
     rope_write_kv,
     silu_mul,
     silu_mul_ref,
@@ -90,6 +92,21 @@ def test_rope_write_kv(t, hq, hkv, d):
     torch.testing.assert_close(kc, kc_ref, **tol)
     torch.testing.assert_close(vc, vc_ref, **tol)
     assert torch.equal(qkv[:, (hq + 2 * hkv) * d:], tail)
+
+
+@pytest.mark.parametrize("t,d", [(1, 64), (9, 128)])
+def test_rope_table(t, d):
+    """Each row's cos and sign-folded sin factors, scaled; rotating with them is rope_ref."""
+    g = torch.Generator().manual_seed(t + d)
+    pos = torch.randint(0, 130000, (t,), generator=g).to(DEV)
+    inv = (1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))).to(DEV)
+    table = rope_table(pos, inv, 1.1)
+    assert table.shape == (t, 2, d) and table.dtype == torch.float32
+    torch.testing.assert_close(table, rope_table_ref(pos, inv, 1.1), atol=1e-5, rtol=1e-5)
+    x = torch.randn(t, 3, d, generator=g).to(DEV)
+    turned = torch.cat([x[..., d // 2:], x[..., :d // 2]], dim=-1)
+    rotated = x * table[:, None, 0] + turned * table[:, None, 1]
+    torch.testing.assert_close(rotated, rope_ref(x, pos, inv, 1.1), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("t,inter", [(1, 64), (3, 1500)])

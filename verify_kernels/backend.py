@@ -7,6 +7,7 @@ import torch
 from specdec.attention import AttentionMetadata
 from verify_kernels import tree_attention as tree
 from verify_kernels.decode_attention import decode_attention
+from verify_kernels.fused_ops import rope_table
 from verify_kernels.kv_ops import write_kv
 from verify_kernels.paged_attention import choose_num_splits, paged_attention
 
@@ -26,6 +27,19 @@ class TritonAttentionBackend:
         if meta.all_decode:
             return self.fused_decode
         return self.fused_tree and tree.fuses(meta)
+
+    def step_rope(
+        self,
+        meta: AttentionMetadata,
+        positions: torch.Tensor,  # [T] int64
+        inv_freq: torch.Tensor,  # [D / 2] float32
+        rope_scaling: float,
+    ) -> torch.Tensor | None:  # [T, 2, D] float32
+        """The step's rotary factors (fused_ops.rope_table), made once for every layer's
+        `decode`, where the step's attention is the tree kernel's; else None."""
+        if meta.all_decode or not self.fuses(meta):
+            return None
+        return rope_table(positions, inv_freq, rope_scaling)
 
     def write_kv(
         self,
@@ -60,10 +74,13 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         num_splits: int | None = None,
+        rope: torch.Tensor | None = None,  # `step_rope`'s factors (tree steps; None: made here)
     ) -> torch.Tensor:  # [T, Hq, D]
         if num_splits is None:
             num_splits = choose_num_splits(meta, q.shape[1], k.shape[1], q.device)
-        fn = decode_attention if meta.all_decode else tree.tree_attention
-        return fn(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache, meta, scale,
-                  num_splits)
+        if meta.all_decode:
+            return decode_attention(q, k, v, positions, inv_freq, rope_scaling, k_cache,
+                                    v_cache, meta, scale, num_splits)
+        return tree.tree_attention(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
+                                   meta, scale, num_splits, rope=rope)
 

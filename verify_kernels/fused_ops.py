@@ -119,6 +119,49 @@ def rope_ref(x, positions, inv_freq, scaling=1.0):
 
 
 @triton.jit
+def _rope_table_kernel(
+    pos_ptr,  # [T] int64
+    inv_ptr,  # [D / 2] float32
+    out_ptr,  # [T, 2, D] float32
+    scaling,
+    HEAD_DIM: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + d % (HEAD_DIM // 2))
+    sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+    tl.store(out_ptr + t * 2 * HEAD_DIM + d, tl.cos(freq) * scaling)
+    tl.store(out_ptr + t * 2 * HEAD_DIM + HEAD_DIM + d, sign * tl.sin(freq) * scaling)
+
+
+def rope_table(
+    positions: torch.Tensor,  # [T] int64
+    inv_freq: torch.Tensor,  # [D / 2] float32
+    scaling: float,
+) -> torch.Tensor:  # [T, 2, D] float32
+    """Each row's rotary factors, once per step for every layer: [t, 0] = cos * scaling and
+    [t, 1] = sin * scaling, negated over the first half, so that a kernel rotates x as
+    x * [t, 0] + x[(d + D / 2) % D] * [t, 1]. Computing the angles' cosines and sines took
+    1.2 us of a tree attention layer's 12.5 at 8 rows on the H200 (every program computes them
+    for all its rows; bench/results/gpu_attn_parts_h200_20261201.json)."""
+    d = 2 * inv_freq.shape[0]
+    assert positions.dim() == 1 and inv_freq.dtype == torch.float32 and d & (d - 1) == 0
+    out = torch.empty((positions.shape[0], 2, d), dtype=torch.float32, device=positions.device)
+    if positions.shape[0]:
+        _rope_table_kernel[(positions.shape[0],)](positions, inv_freq, out, scaling,
+                                                  HEAD_DIM=d)
+    return out
+
+
+def rope_table_ref(positions, inv_freq, scaling):
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    half = inv_freq.shape[0]
+    sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(emb.device)
+    return torch.stack([emb.cos() * scaling, sign * emb.sin() * scaling], dim=1)
+
+
+@triton.jit
 def _rope_write_kv_kernel(
     q_ptr,  # [T, Hq, D], rotated in place
     k_ptr,  # [T, Hkv, D], read only: the rotated keys go to the cache

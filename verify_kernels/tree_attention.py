@@ -55,7 +55,9 @@ from verify_kernels.decode_attention import (
     _store_result,
     supported,
 )
+from verify_kernels.fused_ops import rope_table
 from verify_kernels.paged_attention import merge_splits
+from verify_kernels.pdl import register_cap
 
 __all__ = ["MAX_Q", "MAX_SEQS", "fuses", "tree_attention"]
 
@@ -88,12 +90,11 @@ def _tree_attn_kernel(
     v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     block_tables_ptr,  # [B, max_blocks] int32
     context_lens_ptr,  # [B] int32, KV entries before the step
-    pos_ptr,  # [T] int64
+    rope_ptr,  # [T, 2, D] float32 rotary factors (fused_ops.rope_table)
     slot_ptr,  # [T] int64, negative = padding: nothing written
     mask_offsets_ptr,  # [B] int64, -1 = causal
     custom_mask_ptr,  # [M] uint8, per sequence a [Q, Q] visibility matrix (HAS_MASK only)
-    inv_ptr,  # [D / 2] float32 inverse frequencies
-    q_len, scale_log2, rope_scaling,
+    q_len, scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh_new, stride_vt, stride_vh_new,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -114,11 +115,36 @@ def _tree_attn_kernel(
     head = kvh * GROUP + m % GROUP_P
     d = tl.arange(0, HEAD_DIM)
     dp = (d + HALF) % HEAD_DIM
-    sign = tl.where(d < HALF, -1.0, 1.0)
-    inv = tl.load(inv_ptr + d % HALF)
+    owner = split == 0  # takes the step's own columns
+    # Every load that needs no other load is issued here, before the context length and the
+    # block table that the cached columns wait on: the query rows and their rotary factors,
+    # and (for the owner) the step's new keys and values, their factors and slots, and its mask.
+    q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    qa = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
+    qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
+    r_rows = rope_ptr + tok[:, None] * (2 * HEAD_DIM) + d[None, :]
+    cos = tl.load(r_rows, mask=row_ok[:, None], other=0.0)
+    sin = tl.load(r_rows + HEAD_DIM, mask=row_ok[:, None], other=0.0)
+    j = tl.arange(0, NEW_P)
+    j_ok = j < q_len
+    mine = j_ok & ((j * 0 + split) == 0)  # the owner's (split row-shaped, for the interpreter)
+    jtok = b * q_len + j
+    k_rows = k_ptr + jtok[:, None] * stride_kt + kvh * stride_kh_new
+    ka = tl.load(k_rows + d[None, :], mask=mine[:, None], other=0.0)
+    kb = tl.load(k_rows + dp[None, :], mask=mine[:, None], other=0.0)
+    vn = tl.load(v_ptr + jtok[:, None] * stride_vt + kvh * stride_vh_new + d[None, :],
+                 mask=mine[:, None], other=0.0)  # [NEW_P, D]
+    j_rows = rope_ptr + jtok[:, None] * (2 * HEAD_DIM) + d[None, :]
+    jcos = tl.load(j_rows, mask=mine[:, None], other=0.0)
+    jsin = tl.load(j_rows + HEAD_DIM, mask=mine[:, None], other=0.0)
+    slot = tl.load(slot_ptr + jtok, mask=mine, other=-1)
+    if HAS_MASK:  # its [Q, Q] visibility bits, or causal where its offset is -1
+        base = tl.load(mask_offsets_ptr + b)
+        custom = (j * 0 + base) >= 0  # a row-shaped scalar (as the interpreter needs)
+        bits = tl.load(custom_mask_ptr + base + t[:, None] * q_len + j[None, :],
+                       mask=row_ok[:, None] & mine[None, :] & custom[None, :], other=0)
     ctx = tl.load(context_lens_ptr + b)
 
-    owner = split == 0  # takes the step's own columns
     lo = 0
     hi = ctx
     if NUM_SPLITS > 1:
@@ -140,13 +166,6 @@ def _tree_attn_kernel(
         _store_empty(part_ptr, lse_ptr, p_off, l_off, d, row_ok, split, stride_ps, BLOCK_M,
                      HEAD_DIM)
     else:
-        q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
-        qa = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
-        qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
-        freq = (tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.float32)[:, None]
-                * inv[None, :])
-        cos = tl.cos(freq) * rope_scaling
-        sin = sign[None, :] * tl.sin(freq) * rope_scaling
         q = _rotate(qa, qb, cos, sin).to(qa.dtype)  # [BLOCK_M, D]
         if lo < hi:
             m_i, l_i, acc = _attend_cached(q, k, v, col_ok, lo, hi, bt_row, k_base, v_base, d,
@@ -156,19 +175,7 @@ def _tree_attn_kernel(
         else:
             m_i, l_i, acc = _softmax_start(BLOCK_M, HEAD_DIM)
         if owner:  # the step's own columns: rotate k, write k and v, score them
-            j = tl.arange(0, NEW_P)
-            j_ok = j < q_len
-            jtok = b * q_len + j
-            k_rows = k_ptr + jtok[:, None] * stride_kt + kvh * stride_kh_new
-            jfreq = (tl.load(pos_ptr + jtok, mask=j_ok, other=0).to(tl.float32)[:, None]
-                     * inv[None, :])
-            kr = _rotate(tl.load(k_rows + d[None, :], mask=j_ok[:, None], other=0.0),
-                         tl.load(k_rows + dp[None, :], mask=j_ok[:, None], other=0.0),
-                         tl.cos(jfreq) * rope_scaling,
-                         sign[None, :] * tl.sin(jfreq) * rope_scaling).to(q.dtype)  # [NEW_P, D]
-            vn = tl.load(v_ptr + jtok[:, None] * stride_vt + kvh * stride_vh_new + d[None, :],
-                         mask=j_ok[:, None], other=0.0)  # [NEW_P, D]
-            slot = tl.load(slot_ptr + jtok, mask=j_ok, other=-1)
+            kr = _rotate(ka, kb, jcos, jsin).to(q.dtype)  # [NEW_P, D]
             # Every row block scores the new columns; the first writes them (rb as a row-shaped
             # value, as the interpreter needs).
             put = ((slot >= 0) & ((j * 0 + rb) == 0))[:, None]
@@ -179,10 +186,6 @@ def _tree_attn_kernel(
                      vn.to(v_cache_ptr.dtype.element_ty), mask=put)
             vis = j[None, :] <= t[:, None]  # causal
             if HAS_MASK:
-                base = tl.load(mask_offsets_ptr + b)
-                custom = (j * 0 + base) >= 0  # a row-shaped scalar (as the interpreter needs)
-                bits = tl.load(custom_mask_ptr + base + t[:, None] * q_len + j[None, :],
-                               mask=row_ok[:, None] & j_ok[None, :] & custom[None, :], other=0)
                 vis = tl.where(custom[None, :], bits != 0, vis)
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tl.trans(kr), vn, vis & j_ok[None, :],
                                          scale_log2, DOT_PRECISION)
@@ -222,6 +225,8 @@ def tree_attention(
     num_warps: int | None = None,
     block_n: int | None = None,
     row_blocks: int | None = None,
+    max_registers: int | None = None,
+    rope: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
     """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
     sequence's Q rows over its context and the rows it sees. Reads nothing from the device on
@@ -231,7 +236,10 @@ def tree_attention(
     `row_blocks` R splits a program's rows (Q tokens x the KV head's query heads) over R
     programs of at least 16 rows each, which read the same KV tiles: fewer registers per
     program, so more programs per SM (at 8 rows a program of 32 rows holds about an SM's).
-    None takes as many as leave each block BLOCK_ROWS rows (at least one)."""
+    None takes as many as leave each block BLOCK_ROWS rows (at least one). `max_registers`
+    caps registers per thread (ptxas spills the rest), so that more programs share an SM.
+    `rope`: the step's `fused_ops.rope_table(positions, inv_freq, rope_scaling)`, made once
+    for all layers (None: made here)."""
     t, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
     bsz = meta.num_seqs
@@ -246,6 +254,9 @@ def tree_attention(
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(0) == bs * k_cache.stride(1), "slots must be contiguous"
     assert positions.shape == (t,) and positions.dtype == torch.int64
+    if rope is None:
+        rope = rope_table(positions, inv_freq, rope_scaling)
+    assert rope.shape == (t, 2, d) and rope.dtype == torch.float32 and rope.is_contiguous()
     assert meta.slot_mapping.shape == (t,) and meta.slot_mapping.dtype == torch.int64
     assert meta.context_lens.dtype == torch.int32 and meta.block_tables.dtype == torch.int32
     assert meta.mask_offsets.dtype == torch.int64
@@ -272,8 +283,7 @@ def tree_attention(
     mask = (meta.custom_mask if has_mask else meta.mask_offsets).view(torch.uint8)
     _tree_attn_kernel[(bsz, hkv, splits * row_blocks)](
         out, part, lse, q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens,
-        positions, meta.slot_mapping, meta.mask_offsets, mask, inv_freq,
-        ql, scale * _LOG2E, rope_scaling,
+        rope, meta.slot_mapping, meta.mask_offsets, mask, ql, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), *ps, *ls,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -283,7 +293,7 @@ def tree_attention(
         BLOCK_N=block_n or (64 if d <= 128 else 32), BLOCK_SIZE=bs, NUM_SPLITS=splits,
         HAS_MASK=has_mask, ROW_BLOCKS=row_blocks,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=num_warps or 8,
+        num_warps=num_warps or 8, **register_cap(max_registers, dev),
     )
     if splits > 1:
         merge_splits(out, part, lse)

@@ -119,6 +119,7 @@ class Attention(nn.Module):
         backend: Any,
         prenormed: ScaledRows | None,  # `norm`'s input as the matmul before left it
         next_norm: RMSNorm,  # the norm after the residual add, whose input o_proj may leave
+        rope: torch.Tensor | None = None,  # the step's rotary factors (backend.step_rope)
     ) -> ScaledRows | None:
         from verify_kernels.fused_ops import rope_write_kv
         from verify_kernels.skinny_gemm import fused_linear, residual_linear
@@ -134,7 +135,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv, rs = self.rotary.inv_freq, self.rotary.attention_scaling
         if hasattr(backend, "fuses") and backend.fuses(meta):  # rotary and KV write inside
-            o = backend.decode(q, k, v, positions, inv, rs, kv[0], kv[1], meta, self.scale)
+            o = backend.decode(q, k, v, positions, inv, rs, kv[0], kv[1], meta, self.scale,
+                               rope=rope)
         else:
             rope_write_kv(q, k, v, positions, inv, rs, kv[0], kv[1], meta.slot_mapping)
             o = backend.attend(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
@@ -175,7 +177,8 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
     def forward_fused(self, res, positions, meta, kv, backend, prenormed: ScaledRows | None,
-                      next_norm: RMSNorm | None) -> ScaledRows | None:
+                      next_norm: RMSNorm | None, rope: torch.Tensor | None = None
+                      ) -> ScaledRows | None:
         """The GPU path: `res` [T, hidden] is the residual stream, updated in place; norms and
         the activation ride inside the matmuls (verify_kernels/skinny_gemm.py). Each
         residual-writing matmul may leave the next norm's input (ScaledRows) for the matmul
@@ -184,7 +187,7 @@ class DecoderLayer(nn.Module):
 
         ln, mlp = self.post_attention_layernorm, self.mlp
         mid = self.self_attn.forward_fused(res, self.input_layernorm, positions, meta, kv,
-                                           backend, prenormed, ln)
+                                           backend, prenormed, ln, rope)
         act = fused_linear(res, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
                            norm_weight=ln.weight, eps=ln.eps, gated=True,
                            prenormed=mid)  # [T, inter]
@@ -243,11 +246,15 @@ class LlamaForCausalLM(nn.Module):
                 prenormed = ScaledRows(scaled, sumsq)
             else:
                 res = m.embed_tokens(input_ids)  # [T, hidden], the residual stream
+            rope = None
+            if hasattr(backend, "step_rope"):  # once per step, not per layer
+                rope = backend.step_rope(meta, positions, m.rotary.inv_freq,
+                                         m.rotary.attention_scaling)
             captured: list[torch.Tensor] = []
             for i, layer in enumerate(m.layers):
                 nxt = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else None
                 prenormed = layer.forward_fused(res, positions, meta, kv_cache[i], backend,
-                                                prenormed, nxt)
+                                                prenormed, nxt, rope)
                 if i in capture_layers:
                     captured.append(res.clone())
             return rms_norm(res, m.norm.weight, m.norm.eps), captured
