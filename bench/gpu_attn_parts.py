@@ -2,8 +2,10 @@
 tree_attention.py as built, and with one part of its work taken out at a time, each timed per
 layer inside a CUDA graph of 32 layers (batch 1, binary-tree mask, 1k context; Llama-3.1-8B
 heads at 2 and 8 rows, Qwen2.5-7B's at 8), at the split count, tile and row blocks the graph
-runner picks there. The variants are text edits of the kernel's source, loaded as modules of
-their own; their outputs are wrong by design, only their times mean something:
+runner picks there. A kernel that takes the step's rotary factors (`rope`) gets them made once
+per 32 layers, as the model makes them once per step. The variants are text edits of the
+kernel's source, loaded as modules of their own; their outputs are wrong by design, only their
+times mean something:
 
 - "owner idle": split 0 (the step's own columns) scores nothing and writes no KV;
 - "owner only": the other splits (the cached columns) do nothing;
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import sys
 import tempfile
@@ -60,12 +63,21 @@ def time_case(mods: dict, rows: int, hq: int, hkv: int, splits: int, bn: int, rb
     """Per-layer microseconds of each variant module's tree_attention in one case."""
     from gpu_verify_attn import tree_case
 
+    from verify_kernels.fused_ops import rope_table
+
     qkv_of, caches, pos, inv, meta, _ = tree_case(1, rows, hq, hkv)
     row = {}
     for name, mod in mods.items():
-        def call(i, fn=mod.tree_attention):
+        step: dict = {}
+
+        def call(i, fn=mod.tree_attention, step=step):
+            kw = {}
+            if "rope" in inspect.signature(fn).parameters:  # once a step, as in the model
+                if i == 0:
+                    step["rope"] = rope_table(pos, inv, 1.0)
+                kw["rope"] = step["rope"]
             fn(*qkv_of(i), pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088,
-               num_splits=splits, block_n=bn, row_blocks=rb)
+               num_splits=splits, block_n=bn, row_blocks=rb, **kw)
         row[name] = round(graph_us(call), 2)
     return row
 

@@ -141,9 +141,10 @@ def rope_table(
 ) -> torch.Tensor:  # [T, 2, D] float32
     """Each row's rotary factors, once per step for every layer: [t, 0] = cos * scaling and
     [t, 1] = sin * scaling, negated over the first half, so that a kernel rotates x as
-    x * [t, 0] + x[(d + D / 2) % D] * [t, 1]. Computing the angles' cosines and sines took
-    1.2 us of a tree attention layer's 12.5 at 8 rows on the H200 (every program computes them
-    for all its rows; bench/results/gpu_attn_parts_h200_20261201.json)."""
+    x * [t, 0] + x[(d + D / 2) % D] * [t, 1]. Tree attention computed them in every program for
+    all its rows: per layer on the H200 (Llama-3.1-8B heads, 1k context) 12.89 us at 8 rows
+    and 9.73 at 2, against 9.75 and 8.42 with this table and the query rows loaded first
+    (bench/results/gpu_attn_parts_h200_20261201_before.json and _table.json)."""
     d = 2 * inv_freq.shape[0]
     assert positions.dim() == 1 and inv_freq.dtype == torch.float32 and d & (d - 1) == 0
     out = torch.empty((positions.shape[0], 2, d), dtype=torch.float32, device=positions.device)

@@ -116,33 +116,16 @@ def _tree_attn_kernel(
     d = tl.arange(0, HEAD_DIM)
     dp = (d + HALF) % HEAD_DIM
     owner = split == 0  # takes the step's own columns
-    # Every load that needs no other load is issued here, before the context length and the
-    # block table that the cached columns wait on: the query rows and their rotary factors,
-    # and (for the owner) the step's new keys and values, their factors and slots, and its mask.
+    # The query rows and their rotary factors load before the context length and the block
+    # table that the cached columns wait on. The owner's own loads come later: issued here too,
+    # their registers spilled (per layer at 8 rows on the H200, 13.28 us against 9.75;
+    # bench/results/gpu_attn_parts_h200_20261201_spill.json and _table.json).
     q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
     qa = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
     qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
     r_rows = rope_ptr + tok[:, None] * (2 * HEAD_DIM) + d[None, :]
     cos = tl.load(r_rows, mask=row_ok[:, None], other=0.0)
     sin = tl.load(r_rows + HEAD_DIM, mask=row_ok[:, None], other=0.0)
-    j = tl.arange(0, NEW_P)
-    j_ok = j < q_len
-    mine = j_ok & ((j * 0 + split) == 0)  # the owner's (split row-shaped, for the interpreter)
-    jtok = b * q_len + j
-    k_rows = k_ptr + jtok[:, None] * stride_kt + kvh * stride_kh_new
-    ka = tl.load(k_rows + d[None, :], mask=mine[:, None], other=0.0)
-    kb = tl.load(k_rows + dp[None, :], mask=mine[:, None], other=0.0)
-    vn = tl.load(v_ptr + jtok[:, None] * stride_vt + kvh * stride_vh_new + d[None, :],
-                 mask=mine[:, None], other=0.0)  # [NEW_P, D]
-    j_rows = rope_ptr + jtok[:, None] * (2 * HEAD_DIM) + d[None, :]
-    jcos = tl.load(j_rows, mask=mine[:, None], other=0.0)
-    jsin = tl.load(j_rows + HEAD_DIM, mask=mine[:, None], other=0.0)
-    slot = tl.load(slot_ptr + jtok, mask=mine, other=-1)
-    if HAS_MASK:  # its [Q, Q] visibility bits, or causal where its offset is -1
-        base = tl.load(mask_offsets_ptr + b)
-        custom = (j * 0 + base) >= 0  # a row-shaped scalar (as the interpreter needs)
-        bits = tl.load(custom_mask_ptr + base + t[:, None] * q_len + j[None, :],
-                       mask=row_ok[:, None] & mine[None, :] & custom[None, :], other=0)
     ctx = tl.load(context_lens_ptr + b)
 
     lo = 0
@@ -175,7 +158,19 @@ def _tree_attn_kernel(
         else:
             m_i, l_i, acc = _softmax_start(BLOCK_M, HEAD_DIM)
         if owner:  # the step's own columns: rotate k, write k and v, score them
-            kr = _rotate(ka, kb, jcos, jsin).to(q.dtype)  # [NEW_P, D]
+            j = tl.arange(0, NEW_P)
+            j_ok = j < q_len
+            jtok = b * q_len + j
+            k_rows = k_ptr + jtok[:, None] * stride_kt + kvh * stride_kh_new
+            j_rows = rope_ptr + jtok[:, None] * (2 * HEAD_DIM) + d[None, :]
+            kr = _rotate(tl.load(k_rows + d[None, :], mask=j_ok[:, None], other=0.0),
+                         tl.load(k_rows + dp[None, :], mask=j_ok[:, None], other=0.0),
+                         tl.load(j_rows, mask=j_ok[:, None], other=0.0),
+                         tl.load(j_rows + HEAD_DIM, mask=j_ok[:, None], other=0.0),
+                         ).to(q.dtype)  # [NEW_P, D]
+            vn = tl.load(v_ptr + jtok[:, None] * stride_vt + kvh * stride_vh_new + d[None, :],
+                         mask=j_ok[:, None], other=0.0)  # [NEW_P, D]
+            slot = tl.load(slot_ptr + jtok, mask=j_ok, other=-1)
             # Every row block scores the new columns; the first writes them (rb as a row-shaped
             # value, as the interpreter needs).
             put = ((slot >= 0) & ((j * 0 + rb) == 0))[:, None]
@@ -186,6 +181,10 @@ def _tree_attn_kernel(
                      vn.to(v_cache_ptr.dtype.element_ty), mask=put)
             vis = j[None, :] <= t[:, None]  # causal
             if HAS_MASK:
+                base = tl.load(mask_offsets_ptr + b)
+                custom = (j * 0 + base) >= 0  # a row-shaped scalar (as the interpreter needs)
+                bits = tl.load(custom_mask_ptr + base + t[:, None] * q_len + j[None, :],
+                               mask=row_ok[:, None] & j_ok[None, :] & custom[None, :], other=0)
                 vis = tl.where(custom[None, :], bits != 0, vis)
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tl.trans(kr), vn, vis & j_ok[None, :],
                                          scale_log2, DOT_PRECISION)
