@@ -49,14 +49,6 @@ def pdl_args(device: torch.device) -> dict:
     return {"USE_PDL": True, "launch_pdl": True} if _capable(index) else {"USE_PDL": False}
 
 
-def register_cap(max_registers: int | None, device: torch.device) -> dict:
-    """Launch keyword arguments capping a kernel's registers per thread (none on the CPU)."""
-    if (max_registers is None or device.type != "cuda"
-            or os.environ.get("TRITON_INTERPRET", "0") == "1"):
-        return {}
-    return {"maxnreg": max_registers}
-
-
 @triton.jit
 def pdl_wait_release(USE_PDL: tl.constexpr):
     """Wait for the predecessor (its writes visible), then let the successor launch."""
@@ -65,4 +57,4 @@ def pdl_wait_release(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-__all__ = ["ENABLED", "pdl_args", "pdl_wait_release", "register_cap"]
+__all__ = ["ENABLED", "pdl_args", "pdl_wait_release"]

@@ -6,7 +6,12 @@ nodes; the graph runner pads each sequence to its bucket's Q). The general path 
 launches per layer (rope_write_kv, then `paged_attention.py`, which walks a chain of dependent
 loads: query starts, the owning sequence, its context, the block table, K, then V). Here:
 
-- q and the new k, v arrive as the qkv matmul wrote them; q is rotated in registers;
+- q and the new k, v arrive as the qkv matmul wrote them; every program first loads its query
+  rows and their rotary factors (`fused_ops.rope_table`: cos and sin made once per step for
+  every layer) and rotates q in registers. Computing the angles' cosines and sines in every
+  program for all its rows cost 3.0 of 12.9 us per layer at 8 rows on the H200, Llama-3.1-8B
+  heads, 1k context; with the table and the query rows loaded first the layer takes 9.75 us
+  (bench/results/gpu_attn_parts_h200_20261201_before.json, _table.json);
 - with NUM_SPLITS > 1, the cached columns [0, context) are spread over programs 1 to
   NUM_SPLITS - 1 per (sequence, KV head), each loading its context length, then block-table
   entries, then K and V together;
@@ -16,11 +21,11 @@ loads: query starts, the owning sequence, its context, the block table, K, then 
   the one program does both.) Giving it cached columns as well made it the last to finish:
   15.0 against 13.8 us per layer at 8 rows, 11.8 against 11.0 at 2 (16 splits,
   bench/results/gpu_tiles_h200_20261201.json). It is split 0 so that it is dispatched first:
-  with 8 warps a program holds about a whole SM's registers (an sm_90 compile with Triton 3.9:
-  255 per thread and a 296-byte stack at 8 rows, 223 at 2), so a grid with more programs
-  than SMs runs in waves, and the owner's chain is the longest. First, at 8 rows: 12.99 us per
-  layer at 9 splits, 13.44 at 16 (13.81 at 16 with the owner last; 32 splits 18.17 against
-  20.2), bench/results/gpu_tiles_h200_20261201_owner.json.
+  with 8 warps a program holds about a whole SM's registers (247 per thread at 8 rows, sm_90,
+  Triton 3.6), so a grid with more programs than SMs runs in waves. Since the table its work
+  is off the critical path (the layer takes as long with the owner idle). More splits with
+  one KV tile each, 128-column tiles, or registers capped so that two programs share an SM were
+  all slower (bench/results/gpu_tiles_h200_20261201_wide.json).
 
 A program's BLOCK_M rows are Q query tokens times the GROUP query heads of its KV head (padded
 to a power of two), so each K/V tile feeds every row. `row_blocks` R spreads them over R
@@ -39,6 +44,7 @@ reference is `decode_attention.decode_attention_ref`.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -57,7 +63,6 @@ from verify_kernels.decode_attention import (
 )
 from verify_kernels.fused_ops import rope_table
 from verify_kernels.paged_attention import merge_splits
-from verify_kernels.pdl import register_cap
 
 __all__ = ["MAX_Q", "MAX_SEQS", "fuses", "tree_attention"]
 
@@ -197,6 +202,14 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def _register_cap(max_registers: int | None, device: torch.device) -> dict:
+    """Launch keyword arguments capping registers per thread (none on the CPU)."""
+    if (max_registers is None or device.type != "cuda"
+            or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        return {}
+    return {"maxnreg": max_registers}
+
+
 def fuses(meta: AttentionMetadata) -> bool:
     """Steps the fused path takes: at most MAX_SEQS sequences, each with the same number of
     rows, 2 to MAX_Q (where it measured faster than the two launches)."""
@@ -236,7 +249,8 @@ def tree_attention(
     programs of at least 16 rows each, which read the same KV tiles: fewer registers per
     program, so more programs per SM (at 8 rows a program of 32 rows holds about an SM's).
     None takes as many as leave each block BLOCK_ROWS rows (at least one). `max_registers`
-    caps registers per thread (ptxas spills the rest), so that more programs share an SM.
+    caps registers per thread (ptxas spills the rest), so that more programs share an SM: for
+    timing only, slower at every cap timed on the H200.
     `rope`: the step's `fused_ops.rope_table(positions, inv_freq, rope_scaling)`, made once
     for all layers (None: made here)."""
     t, hq, d = q.shape
@@ -292,7 +306,7 @@ def tree_attention(
         BLOCK_N=block_n or (64 if d <= 128 else 32), BLOCK_SIZE=bs, NUM_SPLITS=splits,
         HAS_MASK=has_mask, ROW_BLOCKS=row_blocks,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=num_warps or 8, **register_cap(max_registers, dev),
+        num_warps=num_warps or 8, **_register_cap(max_registers, dev),
     )
     if splits > 1:
         merge_splits(out, part, lse)
