@@ -6,12 +6,13 @@ or KV, so nothing is served from L2 that a real step would read from memory).
    next norm's input, gated gate_up, down) at 1, 2, 4 and 8 rows, for every tile in
    skinny_tiles' candidates and in EXTRA_* below (FMA tiles at 2 rows only); per role and row
    count, sorted by time.
-2. Tree attention at 2 and 8 rows (batch 1, binary-tree mask, 1k context), and decode
+2. Tree attention at 2, 8 and 16 rows (batch 1, binary-tree mask, 1k context; the graph
+   runner fuses up to tree_attention.MAX_Q rows; more take the two launches), and decode
    attention at 1: split counts, KV tile widths and warps, against rotary + KV write, paged
-   attention and the merge as launches; at 8 rows also with each program's rows in row blocks
-   ("r2", "r4": tree_attention's `row_blocks`). With --shape qwen2.5-7b-shape, its heads (28
-   query, 4 KV: 64 rows a program at 8 rows) at 1 and 8 rows. The tree kernel's first split
-   takes only the step's own columns, so S splits share the cached columns among S - 1
+   attention and the merge as launches; from 8 rows also with each program's rows in row
+   blocks ("r2", "r4": tree_attention's `row_blocks`). With --shape qwen2.5-7b-shape, its heads
+   (28 query, 4 KV: 64 rows a program at 8 rows) at 1, 8 and 16 rows. The tree kernel's first
+   split takes only the step's own columns, so S splits share the cached columns among S - 1
    programs: at 1k context and 64-column tiles, 9 and 17 splits give each busy program 2 and 1
    tiles, 8 and 16 give 3 and 2.
 
@@ -232,7 +233,7 @@ def attention(out: dict, shape: str) -> None:
     hq, hkv = SHAPES[shape][2:]
     llama = shape == "llama-3.1-8b-shape"
     table = out.setdefault("tree_attention_us_per_layer" + ("" if llama else f" {shape}"), {})
-    for rows in (1, 2, 8) if llama else (1, 8):
+    for rows in (1, 2, 8, 16) if llama else (1, 8, 16):
         row = attention_at(rows, hq, hkv)
         table[f"rows {rows}"] = dict(sorted((k, round(v, 2)) for k, v in row.items()))
         best = sorted(row.items(), key=lambda kv: kv[1])[:8]

@@ -152,6 +152,15 @@ def test_tree_row_blocks_default(monkeypatch):
     tree([(33, [-1]), (200, 2)], 8, 2, 64, 16, splits=4, seed=8)
 
 
+@pytest.mark.parametrize("splits", [1, 9])
+def test_tree_sixteen_rows(splits):
+    """The kernel's largest steps (KERNEL_MAX_Q rows: a 15-node tree, the size of the
+    benchmarks' 2-branch k = 7 trees), and 12 rows padded to 16 columns."""
+    binary = [-1] + [(i - 1) // 2 for i in range(1, 15)]  # 15 nodes below the root
+    tree([(0, binary), (300, 16)], 32, 8, 128, 16, splits=splits, seed=700 + splits)
+    tree([(90, 12), (1000, binary[:11])], 8, 2, 64, 16, splits=splits, seed=800 + splits)
+
+
 def test_tree_padding_rows_write_nothing():
     # As the graph runner pads: the last rows of a sequence (seen only by themselves) and a
     # whole sequence of context 0.
