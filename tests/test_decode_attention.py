@@ -169,6 +169,28 @@ def test_tree_padding_rows_write_nothing():
          pad=(3, 4, 5, 6, 7, 8, 9))
 
 
+def test_step_rope_only_for_tree_kernel_steps():
+    """The backend makes the step's rotary table where the tree kernel takes the step, and
+    tree_attention given it writes what it writes when it makes its own."""
+    from verify_kernels.backend import TritonAttentionBackend
+    from verify_kernels.fused_ops import rope_table
+
+    g = torch.Generator().manual_seed(1)
+    be = TritonAttentionBackend()
+    inv = (1.0 / (500000.0 ** (torch.arange(0, 64, 2).float() / 64))).to(DEV)
+    pos = torch.cat([43 + torch.arange(4), 93 + torch.arange(4)]).to(DEV)  # as `check` makes
+    tree_meta = make_meta([(40, [-1, 0, 0]), (90, 4)], 16, g)[0]
+    table = be.step_rope(tree_meta, pos, inv, 1.1)
+    assert table is not None and table.shape == (8, 2, 64)
+    torch.testing.assert_close(table, rope_table(pos, inv, 1.1))
+    assert be.step_rope(make_meta([(5, 1), (9, 1)], 16, g)[0], pos[:2], inv, 1.1) is None
+    assert be.step_rope(make_meta([(5, 4), (9, 3)], 16, g)[0], pos[:7], inv, 1.1) is None
+    be.fused_tree = False
+    assert be.step_rope(tree_meta, pos, inv, 1.1) is None
+    tree([(40, [-1, 0, 0]), (90, 4)], 8, 2, 64, 16, splits=3, seed=9,
+         rope=rope_table(pos, inv, 1.1))
+
+
 def test_fuses_only_uniform_small_steps():
     g = torch.Generator().manual_seed(0)
     assert fuses(make_meta([(5, 4), (9, [-1, 0, 0])], 16, g)[0])
