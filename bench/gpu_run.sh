@@ -18,8 +18,11 @@
 #   probe:   the open leads of the verification cost at 8 rows, per layer in 32-layer graphs:
 #            tree attention with its rows in 2 row blocks (OUT/attn), and the Qwen shape's
 #            matmuls at 2 and 8 rows with the 2-column FMA tiles (OUT/qwen).
+#   parts:   the tree attention tests in bf16, what each part of a tree attention layer costs
+#            (bench/gpu_attn_parts.py), and the attention variants per layer at 1-16 rows on
+#            both head shapes, fused against the two launches (OUT/attn, OUT/attn_qwen).
 # Needs nothing from the network. From the repo root:
-#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|verify|runner|tiles|timeline|probe|all]
+#   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|verify|runner|tiles|timeline|probe|parts|all]
 set -uo pipefail
 out="${1:-${OUT:-bench/results/tmp}}"
 part="${2:-all}"
@@ -74,6 +77,15 @@ export PYTHONUNBUFFERED=1
       --part attention --shape qwen2.5-7b-shape
     SPECDEC_SKINNY_TUNE=0 timeout 250 python3 bench/gpu_tiles.py --out "$out/qwen" \
       --part matmuls --shape qwen2.5-7b-shape --rows 2,8
+  fi
+  if [ "$part" = parts ]; then
+    SPECDEC_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q --noconftest -p no:cacheprovider \
+      tests/test_decode_attention.py -k tree 2>&1 | tail -3
+    timeout 100 python3 bench/gpu_attn_parts.py --out "$out"
+    SPECDEC_SKINNY_TUNE=0 timeout 250 python3 bench/gpu_tiles.py --out "$out/attn" \
+      --part attention
+    SPECDEC_SKINNY_TUNE=0 timeout 150 python3 bench/gpu_tiles.py --out "$out/attn_qwen" \
+      --part attention --shape qwen2.5-7b-shape
   fi
   if [ "$part" = tiles ]; then
     SPECDEC_SKINNY_TUNE=0 timeout 560 python3 bench/gpu_tiles.py --out "$out"
