@@ -22,10 +22,11 @@ loads: query starts, the owning sequence, its context, the block table, K, then 
   15.0 against 13.8 us per layer at 8 rows, 11.8 against 11.0 at 2 (16 splits,
   bench/results/gpu_tiles_h200_20261201.json). It is split 0 so that it is dispatched first:
   with 8 warps a program holds about a whole SM's registers (247 per thread at 8 rows, sm_90,
-  Triton 3.6), so a grid with more programs than SMs runs in waves. Since the table its work
-  is off the critical path (the layer takes as long with the owner idle). More splits with
-  one KV tile each, 128-column tiles, or registers capped so that two programs share an SM were
-  all slower (bench/results/gpu_tiles_h200_20261201_wide.json).
+  Triton 3.6: bench/kernel_registers.py), so a grid with more programs than SMs runs in
+  waves. Since the table its work is off the critical path (the layer takes as long with the
+  owner idle). More splits with one KV tile each, 128-column tiles, or registers capped so
+  that two programs share an SM were all slower
+  (bench/results/gpu_tiles_h200_20261201_wide.json).
 
 A program's BLOCK_M rows are Q query tokens times the GROUP query heads of its KV head (padded
 to a power of two), so each K/V tile feeds every row. `row_blocks` R spreads them over R
