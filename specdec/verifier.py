@@ -153,21 +153,19 @@ def verify_greedy_lists(
     """The greedy rule above for a batch that is greedy throughout, on host lists: per
     sequence (emitted tokens, accepted local node indices). It needs only each row's argmax,
     so the step copies one int per row to the host instead of running `verify_tree`'s
-    per-depth loop (tests/test_verifier.py checks the two agree)."""
+    per-depth loop (tests/test_verifier.py checks the two agree). One pass over the nodes:
+    parents come before their children and siblings differ (DraftTree.from_lists checks both),
+    so the accepted path is the nodes, in order, whose parent was the last one accepted and
+    whose token is that node's argmax (16 sequences of 7 nodes: 7 us on the 2-core CPU,
+    against 21 for a walk over per-node child lists)."""
     emitted: list[list[int]] = []
     accepted_all: list[list[int]] = []
     for (toks, pars), r0 in zip(trees, root_rows):
-        kids: dict[int, list[int]] = {}
+        cur, best, accepted = -1, argmax[r0], []  # best: the argmax of node cur's row
         for i, p in enumerate(pars):
-            kids.setdefault(p, []).append(i)
-        cur, accepted = -1, []
-        while True:
-            best = argmax[r0 + cur + 1]  # the row of node `cur` (the root's row for -1)
-            nxt = next((i for i in kids.get(cur, ()) if toks[i] == best), None)
-            if nxt is None:
-                break
-            accepted.append(nxt)
-            cur = nxt
+            if p == cur and toks[i] == best:
+                accepted.append(i)
+                cur, best = i, argmax[r0 + i + 1]
         emitted.append([toks[i] for i in accepted] + [best])
         accepted_all.append(accepted)
     return emitted, accepted_all
