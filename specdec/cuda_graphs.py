@@ -215,6 +215,8 @@ class _FixedSplits:
         return self.inner.fuses(meta) if hasattr(self.inner, "fuses") else False
 
     def step_rope(self, meta: AttentionMetadata, positions, inv_freq, rope_scaling):
+        if not hasattr(self.inner, "step_rope"):
+            return None
         return self.inner.step_rope(meta, positions, inv_freq, rope_scaling)
 
     def decode(self, q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
