@@ -47,11 +47,10 @@ EDITS = {
 CASES = ((8, HQ, HKV, 9, 64, 1), (2, HQ, HKV, 9, 64, 1), (8, 28, 4, 9, 64, 2))
 
 
-def load_variant(source: str, edits: tuple, name: str, folder: Path):
+def load_variant(source: str, edits: tuple, name: str, path: Path):
     for old, new in edits:
         assert old in source, f"{name}: {old!r} not in the source"
         source = source.replace(old, new)
-    path = folder / f"tree_variant_{abs(hash(name)) % 10**8}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
@@ -94,8 +93,8 @@ def main() -> None:
     source = Path(args.source).read_text()
     table = out.setdefault("us_per_layer", {})
     with tempfile.TemporaryDirectory() as tmp:
-        mods = {name: load_variant(source, edits, name, Path(tmp))
-                for name, edits in EDITS.items()}
+        mods = {name: load_variant(source, edits, name, Path(tmp) / f"tree_variant_{i}.py")
+                for i, (name, edits) in enumerate(EDITS.items())}
         for rows, hq, hkv, splits, bn, rb in CASES:
             key = f"rows {rows}, {hq}/{hkv} heads, s{splits} n{bn} r{rb}"
             table[key] = row = time_case(mods, rows, hq, hkv, splits, bn, rb)
