@@ -119,9 +119,9 @@ def matmuls(out: dict, save, shape: str, row_counts: tuple[int, ...],
         save()
 
 
-def attention_at(rows: int, hq: int = HQ, hkv: int = HKV) -> dict:
+def attention_at(rows: int, hq: int = HQ, hkv: int = HKV, batch: int = 1) -> dict:
     """Per-layer microseconds of each variant at `rows` rows (1: the decode kernel), with `hq`
-    query and `hkv` KV heads."""
+    query and `hkv` KV heads, for `batch` sequences (above 1: fewer splits, no row blocks)."""
     from gpu_verify_attn import tree_case
 
     from verify_kernels.decode_attention import decode_attention
@@ -129,7 +129,7 @@ def attention_at(rows: int, hq: int = HQ, hkv: int = HKV) -> dict:
     from verify_kernels.paged_attention import paged_attention
     from verify_kernels.tree_attention import tree_attention
 
-    qkv_of, caches, pos, inv, meta, slots = tree_case(1, rows, hq, hkv)
+    qkv_of, caches, pos, inv, meta, slots = tree_case(batch, rows, hq, hkv)
 
     def two_launch(i, splits):
         q, k, v = qkv_of(i)
@@ -142,7 +142,9 @@ def attention_at(rows: int, hq: int = HQ, hkv: int = HKV) -> dict:
 
     row: dict = {}
     group = hq // hkv
-    if rows == 1:
+    if batch > 1:  # B x KV heads x splits programs: a few splits fill the GPU
+        tiles = tuple((x, 64, 8) for x in (1, 2, 3, 4, 5, 8, 9) if x > 1 or rows == 1)
+    elif rows == 1:
         tiles = ((16, 32, 4), (32, 32, 4))
     elif hkv >= 8:
         tiles = ((4, 64, 8), (8, 64, 8), (9, 64, 8), (16, 64, 8), (17, 64, 8), (16, 32, 8),
@@ -150,10 +152,14 @@ def attention_at(rows: int, hq: int = HQ, hkv: int = HKV) -> dict:
     else:  # few KV heads (Qwen2.5-7B: 4): more splits to fill the GPU
         tiles = ((9, 64, 8), (16, 64, 8), (17, 64, 8), (17, 32, 8), (32, 32, 8), (33, 32, 8))
     for splits, bn, warps in tiles:
-        if rows > 1 and bn == 64:
+        if rows > 1 and bn == 64 and (batch == 1 or splits not in (3, 5, 9)):
             row[f"two_launch s{splits}"] = graph_us(lambda i, s=splits: two_launch(i, s))
         kw = {"num_splits": splits, "block_n": bn, "num_warps": warps}
-        row[f"fused s{splits} n{bn} w{warps}"] = graph_us(lambda i, kw=kw: fused(i, **kw))
+        if batch == 1 or rows == 1 or splits in (2, 3, 5, 9):
+            row[f"fused s{splits} n{bn} w{warps}"] = graph_us(lambda i, kw=kw: fused(i, **kw))
+    if batch > 1:
+        row["two_launch s1"] = graph_us(lambda i: two_launch(i, 1))
+        return row
     # A program's rows (8 tokens x the group's heads, padded to a power of two) in row blocks
     # of 16 or more: 32 rows in 2 for Llama's 4 heads a group, 64 in 2 or 4 for Qwen's 7.
     blocks = rows * (1 << (group - 1).bit_length()) // 16 if rows >= 8 else 1
@@ -229,12 +235,14 @@ def attention_wide(out: dict, shape: str) -> None:
         torch.cuda.empty_cache()
 
 
-def attention(out: dict, shape: str) -> None:
+def attention(out: dict, shape: str, batch: int = 1) -> None:
     hq, hkv = SHAPES[shape][2:]
     llama = shape == "llama-3.1-8b-shape"
-    table = out.setdefault("tree_attention_us_per_layer" + ("" if llama else f" {shape}"), {})
-    for rows in (1, 2, 8, 16) if llama else (1, 8, 16):
-        row = attention_at(rows, hq, hkv)
+    table = out.setdefault("tree_attention_us_per_layer" + ("" if llama else f" {shape}")
+                           + (f" batch {batch}" if batch > 1 else ""), {})
+    sizes = (8, 16) if batch > 1 else (1, 2, 8, 16) if llama else (1, 8, 16)
+    for rows in sizes:
+        row = attention_at(rows, hq, hkv, batch)
         table[f"rows {rows}"] = dict(sorted((k, round(v, 2)) for k, v in row.items()))
         best = sorted(row.items(), key=lambda kv: kv[1])[:8]
         gs.log(f"attention rows {rows}: " + ", ".join(f"{k} {v:.2f}" for k, v in best))
@@ -248,6 +256,9 @@ def main() -> None:
     ap.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.1-8b-shape",
                     help="the model shape (matmuls: its layers; attention: its heads)")
     ap.add_argument("--rows", default="1,2,4,8", help="the matmul part's row counts")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="the attention part's sequences (above 1: 8 and 16 rows each, split "
+                         "counts for a full GPU, fused against two launches)")
     ap.add_argument("--one-row-all", action="store_true",
                     help="at one row, time every FMA and tensor-core tile, not the kept one")
     args = ap.parse_args()
@@ -256,7 +267,7 @@ def main() -> None:
     dst.mkdir(parents=True, exist_ok=True)
     dst = dst / "gpu_tiles.json"
     if args.part in ("all", "attention"):
-        attention(out, args.shape)
+        attention(out, args.shape, args.batch)
         dst.write_text(json.dumps(out, indent=1))
     if args.part == "wide":
         attention_wide(out, args.shape)
