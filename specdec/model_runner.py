@@ -14,6 +14,7 @@ import torch
 from specdec.attention import AttentionMetadata, get_attention_backend
 from specdec.config import CacheConfig, ModelConfig
 from specdec.models import build_model
+from specdec.sampler import host_to_device
 
 
 @dataclass
@@ -141,7 +142,7 @@ class ModelRunner:
             start += len(s.tokens)
         h = hidden  # every query row has logits (decodes, trees): no gather
         if rows != list(range(start)):
-            h = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+            h = hidden.index_select(0, host_to_device(rows, torch.long, self.device))
         qoff = [0]
         for s in segments[:-1]:
             qoff.append(qoff[-1] + len(s.tokens))
@@ -149,10 +150,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
-        """Copy KV entries of all layers from src to dst slots (accepted tree paths)."""
+        """Copy KV entries of all layers from src to dst slots (accepted tree paths), each
+        sequence's pairs in ascending dst order with src >= dst (its accepted nodes move down
+        to consecutive positions): on CUDA one launch (verify_kernels.kv_ops.compact_kv) after
+        one non-blocking copy of the slots, so the host never waits for the device here."""
         if not src_slots:
             return
-        flat = self.kv.view(self.kv.shape[0], 2, -1, *self.kv.shape[4:])
-        src = torch.tensor(src_slots, dtype=torch.long, device=self.device)
-        dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
-        flat[:, :, dst] = flat[:, :, src]
+        m = len(src_slots)
+        pairs = host_to_device(src_slots + dst_slots, torch.long, self.device)
+        if self.device.type == "cuda":
+            from verify_kernels.kv_ops import compact_kv
+
+            compact_kv(self.kv, pairs[:m], pairs[m:], sorted_by_dst=True)
+        else:
+            flat = self.kv.view(self.kv.shape[0], 2, -1, *self.kv.shape[4:])
+            flat[:, :, pairs[m:]] = flat[:, :, pairs[:m]]

@@ -100,6 +100,32 @@ def test_padded_step_matches_eager(engine, num_seqs):
         engine.blocks.free_seq(s)
 
 
+def test_pack_step_rewrites_only_changed_tables():
+    """With the rows it last wrote, pack_step leaves the buffers as a full write would, over
+    steps whose tables grow, shrink, change a block in place and lose a sequence."""
+    lay = Layout(4, 2, 6)
+
+    def seg(table):
+        return Segment([1, 2], [5, 6], [7, 8], 5, table, logits_rows=(0, 1))
+
+    steps = [[[3, 4], [5], [6, 7, 8], [9]],
+             [[3, 4, 10], [5], [6, 7, 8], [9]],  # a new block
+             [[3, 4], [5], [6, 11, 8], [9]],  # a block released, one replaced in place
+             [[3, 4], [6, 11, 8]],  # two sequences gone
+             [[2, 4, 1, 12, 13, 14], [5], [6], []]]
+    bufs = [(np.full(lay.n64, -7, np.int64), np.full(lay.n32, -7, np.int32),
+             np.ones(lay.nmask, bool)) for _ in range(2)]
+    written: list[list[int]] = [[] for _ in range(lay.batch)]
+    bufs[1][1][3 * lay.batch + 1:] = 0  # as GraphRunner._stage clears a layout's tables
+    for tables in steps:
+        segs = [seg(list(t)) for t in tables]
+        full = pack_step(segs, lay, *bufs[0])
+        assert pack_step(segs, lay, *bufs[1], written) == full
+        for a, b in zip(bufs[0], bufs[1]):
+            np.testing.assert_array_equal(a[:len(b)], b)
+        assert written == [list(t) for t in tables] + [[]] * (lay.batch - len(tables))
+
+
 def test_split_candidates_are_fewer_powers_of_two():
     assert split_candidates(1) == [] and split_candidates(2) == [1]
     assert split_candidates(3) == [1, 2] and split_candidates(5) == [1, 2, 4]

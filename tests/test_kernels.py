@@ -211,6 +211,10 @@ def test_compact_kv(bs, shuffle):
     chain = list(range(base, base + 20))  # a long overlapping chain: shift down by one
     src += [s + 1 for s in chain]
     dst += chain
+    if not shuffle:  # runs per sequence, the sequences in descending slot order
+        cut = [0, 4, 8, 9, 14, len(src)]
+        runs = [(src[a:b], dst[a:b]) for a, b in zip(cut, cut[1:])][::-1]
+        src, dst = [x for r, _ in runs for x in r], [x for _, r in runs for x in r]
     src_t = torch.tensor(src, dtype=torch.int64)
     dst_t = torch.tensor(dst, dtype=torch.int64)
     if shuffle:

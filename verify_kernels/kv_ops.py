@@ -121,8 +121,10 @@ def compact_kv(
 ) -> None:
     """kv[:, :, dst] = kv[:, :, src] over the flattened slot axis, all layers in one launch.
 
-    Pairs are processed in ascending dst order; pass `sorted_by_dst=True` when they already are
-    (then no sort runs)."""
+    Pairs are processed in order, and no pair may read a slot an earlier pair wrote. Pairs with
+    src >= dst in ascending dst order have that, and so do runs of such pairs over disjoint
+    slots (one run per sequence, as accepted tree paths give): pass `sorted_by_dst=True` for
+    either. Otherwise the pairs are sorted by dst first."""
     assert kv.dim() == 6 and kv.shape[1] == 2, "kv [L, 2, NB, BS, Hkv, D]"
     assert kv.stride(5) == 1 and kv.stride(4) == kv.shape[5], "heads x dim must be contiguous"
     assert kv.stride(2) == kv.shape[3] * kv.stride(3), "blocks x slots must flatten"

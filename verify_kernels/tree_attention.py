@@ -69,14 +69,12 @@ __all__ = ["MAX_Q", "MAX_SEQS", "fuses", "tree_attention"]
 
 _LOG2E = 1.4426950408889634
 # Steps the backend sends here (`fuses`): at most MAX_SEQS sequences of the same 2 to MAX_Q
-# rows; the kernel itself takes up to 16. On the H200 (Llama-3.1-8B heads, 1k context), per
-# layer in a 32-layer graph of attention alone, best split count each, 8 warps, batch 1:
-# 11.0 against 14.0 us for the launches it replaces at 2 rows, 13.8 / 17.8 at 8
-# (bench/results/gpu_tiles_h200_20261201.json); in the whole captured step at 8 rows, the same
-# as those launches (4.72 ms per step both, gpu_verify_attn_h200_20261201_tree8.json). Before
-# the owner had a program of its own, slower at 16 rows (23.0 / 21.6) and at batch 8 (8 rows
-# 41.8 / 33.5) (bench/results/gpu_verify_attn_h200_20261130*.json).
-MAX_Q = 8
+# rows. On the H200 (Llama-3.1-8B heads, 1k context), per layer in a 32-layer graph of attention
+# alone, best split count each, batch 1: 9.7 against 13.6 us for the launches it replaces at 2
+# rows, 11.1 / 17.3 at 8, 14.4 / 21.9 at 16 (bench/results/gpu_tiles_h200_20261201_rows16.json).
+# At 16 sequences the two launches stay faster: 44.8 against 50.1 us at 8 rows, 54.5 / 93.9 at
+# 16 (gpu_tiles_b16_h200_20261201_rows16.json).
+MAX_Q = 16
 MAX_SEQS = 4
 KERNEL_MAX_Q = 16
 # Rows a program takes when a call names no row blocks (`tree_attention`): BLOCK_M rows in
