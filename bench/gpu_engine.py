@@ -47,6 +47,7 @@ def cost_curve(engine, res: dict, bw: float, batches, sizes) -> None:
         for n in sizes:
             t = time_steps(engine, step_segments(engine, batch, n, CTX))
             row[str(n)] = t / base
+            log(f"cost batch {batch} rows {n}: {row[str(n)]:.3f} ({base * 1e3:.3f} ms decode)")
         curve[str(batch)] = row
         log(f"cost curve batch {batch}: " + " ".join(
             f"{k}:{v:.3f}" for k, v in row.items()))
@@ -235,6 +236,12 @@ def main() -> None:
     ap.add_argument("--sizes", default=None,
                     help="the cost curve's row counts, comma-separated ('' for the 1-row step "
                          "alone: each size captures and tunes a graph, slow on a cold cache)")
+    ap.add_argument("--cost-batches", default=None,
+                    help="the cost curve's batch sizes, comma-separated (default 1,8,16,32 for "
+                         "the first model, 1 for the others and with --quick)")
+    ap.add_argument("--spec-batches", default=None,
+                    help="the speculative runs' batch sizes (default 1,16 for the first model)")
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -282,6 +289,8 @@ def main() -> None:
         if args.sizes is not None:
             sizes = tuple(int(x) for x in args.sizes.split(",") if x)
         batches = (1, 8, 16, 32) if mi == 0 and not args.quick else (1,)
+        if args.cost_batches:
+            batches = tuple(int(x) for x in args.cost_batches.split(","))
         cost_curve(engine, res, bw, batches, sizes)
         b1 = res["verify_cost_ratio"]["1"]["decode_step_ms"] / 1e3
         res["decode_b1_runner_step_fraction_of_roofline"] = floor / b1
@@ -318,6 +327,8 @@ def main() -> None:
             engine.pipeline.enabled = True
             save()
             sb = (1, 16) if mi == 0 else (1,)
+            if args.spec_batches:
+                sb = tuple(int(x) for x in args.spec_batches.split(","))
             taus = (2, 3, 4, 5) if mi == 0 else (3,)
             if not args.quick:
                 speculative(engine, res, sb, taus, k=7, tree_branches=2,
@@ -328,7 +339,7 @@ def main() -> None:
             res["graph_buckets_captured"] = sorted(map(list, engine.runner.graphs.graphs))
         del engine, m
         torch.cuda.empty_cache()
-        if left() > 45 and not args.quick:
+        if left() > 45 and not args.quick and not args.no_peer:
             try:
                 hf_peer(path, res)
                 torch.cuda.empty_cache()

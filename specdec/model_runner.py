@@ -67,6 +67,10 @@ class ModelRunner:
             self.graphs = GraphRunner(self.model, self.kv, self.backend, cc.block_size, width,
                                       self.device)
         # --- end CUDA graphs ---
+        if self.device.type == "cuda":
+            # Compiles the compaction kernel now, not inside the first step that accepts a
+            # side branch of a tree (a slot onto itself changes nothing).
+            self.move_kv([0], [0])
 
     def _budget_blocks(self, mc: ModelConfig, cc: CacheConfig) -> int:
         per_block = kv_bytes_per_block(mc, cc.block_size)

@@ -87,7 +87,7 @@ def write_kv(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # one compiled kernel, whatever the count
 def _compact_kv_kernel(
     kv_ptr,  # [L, 2, NB * BS, ROW] with ROW = Hkv * D contiguous per slot
     src_ptr,  # [M] int64
