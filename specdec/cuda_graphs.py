@@ -226,13 +226,14 @@ class _FixedSplits:
 
         return paged_attention(q, k_cache, v_cache, meta, scale, num_splits=self.splits)
 
-    def fuses(self, meta: AttentionMetadata) -> bool:
-        return self.inner.fuses(meta) if hasattr(self.inner, "fuses") else False
+    def fuses(self, meta: AttentionMetadata, group: int = 1) -> bool:
+        return self.inner.fuses(meta, group) if hasattr(self.inner, "fuses") else False
 
-    def step_rope(self, meta: AttentionMetadata, positions, inv_freq, rope_scaling):
+    def step_rope(self, meta: AttentionMetadata, positions, inv_freq, rope_scaling,
+                  group: int = 1):
         if not hasattr(self.inner, "step_rope"):
             return None
-        return self.inner.step_rope(meta, positions, inv_freq, rope_scaling)
+        return self.inner.step_rope(meta, positions, inv_freq, rope_scaling, group)
 
     def decode(self, q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
                meta: AttentionMetadata, scale: float, rope=None) -> torch.Tensor:
@@ -289,7 +290,8 @@ class GraphRunner:
         from verify_kernels import tree_attention as tree
 
         return (getattr(self.backend, "fused_tree", False) and b <= tree.MAX_SEQS
-                and 2 <= q <= tree.MAX_Q)
+                and 2 <= q <= tree.MAX_Q
+                and q * tree._next_pow2(self.hq // self.hkv) <= tree.MAX_PROGRAM_ROWS)
 
     def execute(self, segments: list[Any], token_source: torch.Tensor | None = None):
         """The step's StepOutput through a graph, or None when the step must run eagerly.

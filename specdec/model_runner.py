@@ -160,12 +160,15 @@ class ModelRunner:
         one non-blocking copy of the slots, so the host never waits for the device here."""
         if not src_slots:
             return
-        m = len(src_slots)
-        pairs = host_to_device(src_slots + dst_slots, torch.long, self.device)
+        # dst starts at an even index: 16-byte aligned like src, so every call meets the one
+        # kernel variant Triton compiled (it specialises pointers on alignment).
+        m, at = len(src_slots), len(src_slots) + len(src_slots) % 2
+        pairs = host_to_device(src_slots + [0] * (at - m) + dst_slots, torch.long, self.device)
+        src, dst = pairs[:m], pairs[at:]
         if self.device.type == "cuda":
             from verify_kernels.kv_ops import compact_kv
 
-            compact_kv(self.kv, pairs[:m], pairs[m:], sorted_by_dst=True)
+            compact_kv(self.kv, src, dst, sorted_by_dst=True)
         else:
             flat = self.kv.view(self.kv.shape[0], 2, -1, *self.kv.shape[4:])
-            flat[:, :, pairs[m:]] = flat[:, :, pairs[:m]]
+            flat[:, :, dst] = flat[:, :, src]

@@ -198,3 +198,7 @@ def test_fuses_only_uniform_small_steps():
     assert not fuses(make_meta([(5, 1), (9, 1)], 16, g)[0])  # decode: decode_attention's
     assert not fuses(make_meta([(5, MAX_Q + 1)], 16, g)[0])
     assert not fuses(make_meta([(5, 2)] * (MAX_SEQS + 1), 16, g)[0])
+    # Rows times the group's query heads (padded to a power of two) per program.
+    sixteen = make_meta([(5, 16)], 16, g)[0]
+    assert fuses(sixteen, group=4) and not fuses(sixteen, group=7)
+    assert fuses(make_meta([(5, 8)], 16, g)[0], group=7)

@@ -23,10 +23,11 @@ class TritonAttentionBackend:
     fused_decode = True
     fused_tree = True
 
-    def fuses(self, meta: AttentionMetadata) -> bool:
+    def fuses(self, meta: AttentionMetadata, group: int = 1) -> bool:
+        """`group`: query heads per KV head."""
         if meta.all_decode:
             return self.fused_decode
-        return self.fused_tree and tree.fuses(meta)
+        return self.fused_tree and tree.fuses(meta, group)
 
     def step_rope(
         self,
@@ -34,10 +35,11 @@ class TritonAttentionBackend:
         positions: torch.Tensor,  # [T] int64
         inv_freq: torch.Tensor,  # [D / 2] float32
         rope_scaling: float,
+        group: int = 1,  # query heads per KV head
     ) -> torch.Tensor | None:  # [T, 2, D] float32
         """The step's rotary factors (fused_ops.rope_table), made once for every layer's
         `decode`, where the step's attention is the tree kernel's; else None."""
-        if meta.all_decode or not self.fuses(meta):
+        if meta.all_decode or not self.fuses(meta, group):
             return None
         return rope_table(positions, inv_freq, rope_scaling)
 

@@ -76,6 +76,11 @@ _LOG2E = 1.4426950408889634
 # 16 (gpu_tiles_b16_h200_20261201_rows16.json).
 MAX_Q = 16
 MAX_SEQS = 4
+# A program holds a sequence's rows for every query head of a KV head (the group, padded to a
+# power of two). Qwen2.5-7B's heads (7 a group) at 16 rows put 128 rows in a program: the
+# whole step cost 1.339 decode steps fused against Llama's 1.111 at 64 rows a program
+# (gpu_engine_h200_20261201_b1.json), so such steps take the two launches.
+MAX_PROGRAM_ROWS = 64
 KERNEL_MAX_Q = 16
 # Rows a program takes when a call names no row blocks (`tree_attention`): BLOCK_M rows in
 # BLOCK_M / BLOCK_ROWS blocks (at least one).
@@ -209,10 +214,13 @@ def _register_cap(max_registers: int | None, device: torch.device) -> dict:
     return {"maxnreg": max_registers}
 
 
-def fuses(meta: AttentionMetadata) -> bool:
+def fuses(meta: AttentionMetadata, group: int = 1) -> bool:
     """Steps the fused path takes: at most MAX_SEQS sequences, each with the same number of
-    rows, 2 to MAX_Q (where it measured faster than the two launches)."""
-    return len(meta.q_lens_host) <= MAX_SEQS and 2 <= _rows(meta) <= MAX_Q
+    rows, 2 to MAX_Q, and at most MAX_PROGRAM_ROWS rows a program for `group` query heads per
+    KV head (where it measured faster than the two launches)."""
+    rows = _rows(meta)
+    return (len(meta.q_lens_host) <= MAX_SEQS and 2 <= rows <= MAX_Q
+            and rows * _next_pow2(group) <= MAX_PROGRAM_ROWS)
 
 
 def _rows(meta: AttentionMetadata) -> int:

@@ -134,7 +134,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv, rs = self.rotary.inv_freq, self.rotary.attention_scaling
-        if hasattr(backend, "fuses") and backend.fuses(meta):  # rotary and KV write inside
+        group = self.num_heads // self.num_kv_heads
+        if hasattr(backend, "fuses") and backend.fuses(meta, group):  # rotary, KV write inside
             o = backend.decode(q, k, v, positions, inv, rs, kv[0], kv[1], meta, self.scale,
                                rope=rope)
         else:
@@ -248,8 +249,10 @@ class LlamaForCausalLM(nn.Module):
                 res = m.embed_tokens(input_ids)  # [T, hidden], the residual stream
             rope = None
             if hasattr(backend, "step_rope"):  # once per step, not per layer
+                attn = m.layers[0].self_attn
                 rope = backend.step_rope(meta, positions, m.rotary.inv_freq,
-                                         m.rotary.attention_scaling)
+                                         m.rotary.attention_scaling,
+                                         attn.num_heads // attn.num_kv_heads)
             captured: list[torch.Tensor] = []
             for i, layer in enumerate(m.layers):
                 nxt = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else None
