@@ -77,9 +77,11 @@ _LOG2E = 1.4426950408889634
 MAX_Q = 16
 MAX_SEQS = 4
 # A program holds a sequence's rows for every query head of a KV head (the group, padded to a
-# power of two). Qwen2.5-7B's heads (7 a group) at 16 rows put 128 rows in a program: the
-# whole step cost 1.339 decode steps fused against Llama's 1.111 at 64 rows a program
-# (gpu_engine_h200_20261201_b1.json), so such steps take the two launches.
+# power of two). Qwen2.5-7B's heads (7 a group) at 16 rows put 128 rows in a program: fused,
+# its 16-row step took 5.25 ms (1.339 decode steps; Llama's, at 64 rows a program, 1.111) in
+# gpu_engine_qwen_h200_20261201_b1.json, against 5.21 ms with the two launches at 2026-12-01
+# morning's code (gpu_engine_h200_20261201_qwen_quick.json), whose 8-row step was 0.5 ms
+# slower than now. Such steps take the two launches. (Not yet timed side by side.)
 MAX_PROGRAM_ROWS = 64
 KERNEL_MAX_Q = 16
 # Rows a program takes when a call names no row blocks (`tree_attention`): BLOCK_M rows in
