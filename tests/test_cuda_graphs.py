@@ -126,6 +126,21 @@ def test_pack_step_rewrites_only_changed_tables():
         assert written == [list(t) for t in tables] + [[]] * (lay.batch - len(tables))
 
 
+def test_owner_split_follows_the_fused_tree_steps():
+    """Buckets tuned with the owner program's split counts are the ones tree_attention.fuses
+    takes: up to MAX_SEQS sequences of 2 to MAX_Q rows, at most MAX_PROGRAM_ROWS rows a
+    program (Llama-3.1-8B's 4 query heads a KV head to 16 rows, Qwen2.5-7B's 7 to 8)."""
+    from verify_kernels import tree_attention as tree
+
+    def owner(hq, hkv, b, q):
+        runner = SimpleNamespace(backend=SimpleNamespace(fused_tree=True), hq=hq, hkv=hkv)
+        return GraphRunner.owner_split(runner, b, q)
+
+    assert owner(32, 8, 1, 16) and owner(32, 8, tree.MAX_SEQS, 2)
+    assert not owner(32, 8, tree.MAX_SEQS + 1, 8) and not owner(32, 8, 1, 1)
+    assert owner(28, 4, 1, 8) and not owner(28, 4, 1, 16)
+
+
 def test_split_candidates_are_fewer_powers_of_two():
     assert split_candidates(1) == [] and split_candidates(2) == [1]
     assert split_candidates(3) == [1, 2] and split_candidates(5) == [1, 2, 4]
