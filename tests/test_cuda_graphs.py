@@ -17,14 +17,9 @@ if not torch.cuda.is_available():
 from drafters.tree import DraftTree
 from specdec import graph_tuning
 from specdec.attention import TorchAttentionBackend, write_kv_ref
-from specdec.cuda_graphs import (
-    GraphRunner,
-    Layout,
-    pack_step,
-    padded_metadata,
-    pick_bucket,
-)
+from specdec.cuda_graphs import GraphRunner
 from specdec.engine import LLMEngine
+from specdec.graph_inputs import Layout, pack_step, padded_metadata, pick_bucket
 from specdec.graph_tuning import heuristic_splits, split_candidates, tuning_segments
 from specdec.model_runner import Segment
 from specdec.sampling_params import SamplingParams

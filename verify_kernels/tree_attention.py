@@ -65,7 +65,7 @@ from verify_kernels.decode_attention import (
 from verify_kernels.fused_ops import rope_table
 from verify_kernels.paged_attention import merge_splits
 
-__all__ = ["MAX_Q", "MAX_SEQS", "fuses", "tree_attention"]
+__all__ = ["MAX_Q", "MAX_SEQS", "fuses", "takes", "tree_attention"]
 
 _LOG2E = 1.4426950408889634
 # Steps the backend sends here (`fuses`): at most MAX_SEQS sequences of the same 2 to MAX_Q
@@ -216,13 +216,17 @@ def _register_cap(max_registers: int | None, device: torch.device) -> dict:
     return {"maxnreg": max_registers}
 
 
-def fuses(meta: AttentionMetadata, group: int = 1) -> bool:
-    """Steps the fused path takes: at most MAX_SEQS sequences, each with the same number of
-    rows, 2 to MAX_Q, and at most MAX_PROGRAM_ROWS rows a program for `group` query heads per
-    KV head (where it measured faster than the two launches)."""
-    rows = _rows(meta)
-    return (len(meta.q_lens_host) <= MAX_SEQS and 2 <= rows <= MAX_Q
+def takes(batch: int, rows: int, group: int = 1) -> bool:
+    """Whether the fused path takes `batch` sequences of `rows` rows each, for `group` query
+    heads per KV head: at most MAX_SEQS sequences of 2 to MAX_Q rows, at most
+    MAX_PROGRAM_ROWS rows a program (where it measured faster than the two launches)."""
+    return (batch <= MAX_SEQS and 2 <= rows <= MAX_Q
             and rows * _next_pow2(group) <= MAX_PROGRAM_ROWS)
+
+
+def fuses(meta: AttentionMetadata, group: int = 1) -> bool:
+    """`takes` for a step, whose sequences must all have the same number of rows."""
+    return takes(len(meta.q_lens_host), _rows(meta), group)
 
 
 def _rows(meta: AttentionMetadata) -> int:

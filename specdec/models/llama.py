@@ -69,6 +69,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = int(hf["num_attention_heads"])
         self.num_kv_heads = int(hf.get("num_key_value_heads") or self.num_heads)
+        self.group = self.num_heads // self.num_kv_heads  # query heads per KV head
         self.head_dim = int(hf.get("head_dim") or hf["hidden_size"] // self.num_heads)
         hidden = int(hf["hidden_size"])
         bias = flags.qkv_bias or bool(hf.get("attention_bias", False))
@@ -134,8 +135,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv, rs = self.rotary.inv_freq, self.rotary.attention_scaling
-        group = self.num_heads // self.num_kv_heads
-        if hasattr(backend, "fuses") and backend.fuses(meta, group):  # rotary, KV write inside
+        if hasattr(backend, "fuses") and backend.fuses(meta, self.group):  # rotary, KV inside
             o = backend.decode(q, k, v, positions, inv, rs, kv[0], kv[1], meta, self.scale,
                                rope=rope)
         else:
@@ -249,10 +249,8 @@ class LlamaForCausalLM(nn.Module):
                 res = m.embed_tokens(input_ids)  # [T, hidden], the residual stream
             rope = None
             if hasattr(backend, "step_rope"):  # once per step, not per layer
-                attn = m.layers[0].self_attn
                 rope = backend.step_rope(meta, positions, m.rotary.inv_freq,
-                                         m.rotary.attention_scaling,
-                                         attn.num_heads // attn.num_kv_heads)
+                                         m.rotary.attention_scaling, m.layers[0].self_attn.group)
             captured: list[torch.Tensor] = []
             for i, layer in enumerate(m.layers):
                 nxt = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else None
