@@ -144,6 +144,7 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
     res["speculative_note"] = ("random weights with the embedding scaled x1000 and the head set "
                                "to it, so greedy outputs are stable under bf16 rounding and the "
                                "replayed script stays valid (tau follows the corrupt rate)")
+    res["speculative_max_tokens"] = max_tokens
 
     g = torch.Generator().manual_seed(1)
     vocab = engine.runner.vocab_size
@@ -231,7 +232,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=380.0)
     ap.add_argument("--models", default=",".join(SHAPES))
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128,
+                    help="new tokens per request in the decode runs")
+    ap.add_argument("--spec-max-tokens", type=int, default=512,
+                    help="new tokens per request in the speculative runs and their plain "
+                         "baseline: the longer the run, the smaller its tail, the steps after "
+                         "the first request of a batch finishes (128 until 2026-12-01)")
     ap.add_argument("--quick", action="store_true",
                     help="batch 1 only: the cost curve and plain decode, no speculative runs "
                          "and no transformers peer")
@@ -334,7 +340,8 @@ def main() -> None:
             taus = (2, 3, 4, 5) if mi == 0 else (3,)
             if not args.quick:
                 speculative(engine, res, sb, taus, k=7, tree_branches=2,
-                            max_tokens=args.max_tokens, profile_dir=out_dir if mi == 0 else None)
+                            max_tokens=args.spec_max_tokens,
+                            profile_dir=out_dir if mi == 0 else None)
             save()
         if engine.runner.graphs is not None:
             res["graph_tuning"] = {str(k): v for k, v in engine.runner.graphs.tuned.items()}

@@ -39,6 +39,24 @@ def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> di
         setattr(obj, name, timed)
 
     wrap(sr, "_read", "read_back")
+    # The device's idle gap: from a verdict's read-back to the next pass's replay.
+    read_end = [None]
+    read, replay = sr._read, torch.cuda.CUDAGraph.replay
+
+    def read_marked(*a, **kw):
+        try:
+            return read(*a, **kw)
+        finally:
+            read_end[0] = time.perf_counter()
+
+    def replay_marked(self):
+        if read_end[0] is not None:
+            key = "device idle (read-back to replay)"
+            acc[key] = acc.get(key, 0.0) + time.perf_counter() - read_end[0]
+            read_end[0] = None
+        return replay(self)
+    patched += [(sr, "_read", read), (torch.cuda.CUDAGraph, "replay", replay)]
+    sr._read, torch.cuda.CUDAGraph.replay = read_marked, replay_marked
     wrap(E, "finish_step", "finish_step (incl. read_back)")
     wrap(E, "report", "outputs (deferred)")
     wrap(engine.scheduler, "schedule", "schedule")
@@ -64,14 +82,14 @@ def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> di
     half = None
     try:
         while engine.has_unfinished():
-            if steps == 12:  # the first dozen steps timed plainly, the rest under cProfile
+            if steps == 30:  # the first 30 steps timed plainly, the rest under cProfile
                 half = (steps, time.perf_counter() - t, dict(acc))
                 prof.enable()
             engine.step()
             steps += 1
     finally:
         prof.disable()
-        for obj, name, fn in patched:
+        for obj, name, fn in reversed(patched):  # the last wrapper first
             setattr(obj, name, fn)
     if half is None:
         half = (steps, time.perf_counter() - t, dict(acc))

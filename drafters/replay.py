@@ -125,6 +125,14 @@ class ReplayDrafter(Drafter):
         rate = float(r.options.get("corrupt_rate", 0.0))
         branches = max(1, int(r.options.get("branches", 1)))
         rand, other = rng.random, self._other
+        if branches == 1:  # a chain: the loop below, one node a level (the same draws)
+            nt = len(truth)
+            tokens = []
+            for d in range(min(r.k, r.max_nodes)):
+                t = truth[d] if d < nt else None
+                tokens.append(other(t, rng, ()) if t is None or rand() < rate else t)
+            self.proposed += len(tokens)
+            return tokens, list(range(-1, len(tokens) - 1))
         tokens: list[int] = []
         parents: list[int] = []
         chain_parent = -1
