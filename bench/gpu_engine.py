@@ -234,8 +234,6 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(SHAPES))
     ap.add_argument("--max-tokens", type=int, default=128,
                     help="new tokens per request in the decode runs")
-    ap.add_argument("--host-wait", choices=("spin", "block"), default=None,
-                    help="how the host waits for a step's results (specdec.sampler.HOST_WAIT)")
     ap.add_argument("--spec-max-tokens", type=int, default=512,
                     help="new tokens per request in the speculative runs and their plain "
                          "baseline: the longer the run, the smaller its tail, the steps after "
@@ -253,10 +251,6 @@ def main() -> None:
                     help="the speculative runs' batch sizes (default 1,16 for the first model)")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
     args = ap.parse_args()
-    from specdec import sampler
-
-    if args.host_wait:
-        sampler.HOST_WAIT = args.host_wait
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     import transformers
@@ -267,7 +261,7 @@ def main() -> None:
         "triton": triton.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "context_tokens": CTX, "host_wait": sampler.HOST_WAIT, "models": {},
+        "context_tokens": CTX, "models": {},
     }
 
     def save() -> None:

@@ -7,8 +7,6 @@ one-hot of their (penalised) argmax, so acceptance needs no separate greedy path
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,11 +24,6 @@ def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
-# Experiment: how the host waits for a step's results on CUDA. "spin" polls the copy's event
-# (releasing the GIL between polls); "block" is the CUDA runtime's own wait.
-HOST_WAIT = os.environ.get("SPECDEC_HOST_WAIT", "block")
-
-
 @dataclass
 class HostCopy:
     """A device tensor on its way to the host: a pinned copy queued behind the work that makes
@@ -41,9 +34,6 @@ class HostCopy:
 
     def tolist(self) -> list:
         if self.done is not None:
-            if HOST_WAIT == "spin":
-                while not self.done.query():
-                    time.sleep(0)
             self.done.synchronize()
         return self.host.tolist()
 
