@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -110,6 +111,29 @@ class DraftTree:
         # speculative step builds its batch's tree on the host while the device waits).
         arr = torch.from_numpy(np.array([tokens, parents, depths], dtype=np.int64))
         return DraftTree(arr[0], arr[1], arr[2], tuple(offsets), draft_probs, stochastic)
+
+
+class RowShape(NamedTuple):
+    """A sequence's rows in a verification pass, from its tree's parent list alone."""
+
+    offsets: tuple[int, ...]  # position of each row past the context: the root's 0, then depths
+    mask: torch.Tensor | None  # the ancestor mask (ancestor_mask_of); None for a bare root
+    logits_rows: tuple[int, ...]  # 0 .. n: every row's logits are verified
+    depth: int  # the deepest node's depth (0 for a bare root)
+
+
+def row_shape(parents: Sequence[int]) -> RowShape:
+    """`RowShape` of a tree's parent list: one cached lookup per sequence and step, where the
+    depths, mask and rows would take three (a speculative step builds these for every sequence
+    while the device waits)."""
+    return _row_shape(tuple(parents))
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_shape(parents: tuple[int, ...]) -> RowShape:
+    depths = _depths(parents)
+    return RowShape((0, *depths), _ancestor_mask(parents) if parents else None,
+                    tuple(range(1 + len(parents))), max(depths, default=0))
 
 
 def depths_of(parents: Sequence[int]) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from drafters import DraftRequest, DraftTree, create_drafter, drafter_class
-from drafters.tree import ancestor_mask_of, depths_of
+from drafters.tree import row_shape
 from specdec.block_manager import BlockManager
 from specdec.config import (
     CacheConfig,
@@ -311,10 +311,10 @@ class LLMEngine:
             s, c, n = d.seq, d.seq.num_computed, len(toks)
             if toks and not 0 <= min(toks) <= max(toks) < vocab:
                 raise ValueError(f"a draft token of {s.request_id} is outside the vocabulary")
-            segs.append(Segment([s.last_token] + toks, [c] + [c + x for x in depths_of(pars)],
-                                bm.slots(s, c, 1 + n), c, s.block_table,
-                                mask=ancestor_mask_of(pars) if toks else None,
-                                logits_rows=tuple(range(1 + n))))
+            shape = row_shape(pars)
+            segs.append(Segment([s.last_token] + toks, [c + x for x in shape.offsets],
+                                bm.slots(s, c, 1 + n), c, s.block_table, mask=shape.mask,
+                                logits_rows=shape.logits_rows))
         capture = self._capture_layers(plan)
         if self.pipeline.enabled and self.pipeline.qualifies(plan, trees, capture):
             self.pipeline.launch(self, [d.seq for d in plan.decodes], segs)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from drafters.tree import DraftTree, depths_of
+from drafters.tree import DraftTree, row_shape
 from specdec.outputs import RequestOutput, SpecMetrics, TokenLogprob
 from specdec.sampler import (
     HostCopy,
@@ -155,7 +155,7 @@ def finish_step(engine: LLMEngine, p: PendingStep) -> list[Settled]:
         else:
             bm.commit(seq, seq.num_tokens)  # a completed prefill: every token has its KV
         if seq.request_id in engine._spec and is_decode:
-            depth = max(depths_of(pars), default=0)
+            depth = row_shape(pars).depth
             _record(engine, seq, len(toks), len(accepted), n, depth)
         logprobs = None
         if want_lp[b] and lp is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.tree import DraftTree, ancestor_mask_of, chain, depths_of
+from drafters.tree import DraftTree, ancestor_mask_of, chain, depths_of, row_shape
 
 
 def test_batch_from_lists_has_offsets_depths_and_probs():
@@ -45,3 +45,22 @@ def test_depths_and_masks_per_shape():
     # Node 3 (row 4) sees the root, node 0, node 1 and itself.
     assert mask[4].tolist() == [True, True, True, False, True, False]
     assert mask[5].tolist() == [True, False, False, False, False, True]
+
+
+@pytest.mark.parametrize("pars", [[], [-1], [-1, 0, 1, 2], [-1, 0, 0, 1, -1]])
+def test_row_shape_matches_depths_and_mask(pars):
+    shape = row_shape(pars)
+    depths = depths_of(pars)
+    assert shape.offsets == (0, *depths)
+    assert shape.logits_rows == tuple(range(1 + len(pars)))
+    assert shape.depth == max(depths, default=0)
+    if pars:
+        assert shape.mask is ancestor_mask_of(pars)  # the shared cached mask
+    else:
+        assert shape.mask is None  # a bare root attends causally to its context alone
+    assert row_shape(list(pars)) is row_shape(tuple(pars))
+
+
+def test_row_shape_refuses_a_child_before_its_parent():
+    with pytest.raises(ValueError, match="parents must come first"):
+        row_shape([1, -1])
