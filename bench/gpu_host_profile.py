@@ -67,6 +67,12 @@ def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> di
 
     wrap(cg, "pack_step", "pack_step (in execute)")
     wrap(torch.cuda.CUDAGraph, "replay", "graph.replay (in execute)")
+    # The rest of the idle gap: the segments are run - execute - launch_verification.
+    wrap(engine, "_run", "run (segments, execute, launch_verification)")
+    wrap(engine, "_choose_depths", "choose_depths")
+    wrap(cg, "pick_bucket", "pick_bucket (in execute)")
+    if engine.runner.graphs is not None:
+        wrap(engine.runner.graphs, "_stage", "stage (pack, copy; in execute)")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             speculative=spec)
     ids = [f"prof-{i}" for i in range(len(prompts))]
