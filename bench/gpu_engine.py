@@ -200,8 +200,12 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
         if batch > 1 and profile_dir is not None:
             base = {"method": "replay", "num_speculative_tokens": k, "branches": 1,
                     "corrupt_rate": replay.rate_for_tau(3, k)}
-            res[f"host_profile_b{batch}"] = host_profile(
-                engine, prompts, base, max_tokens, profile_dir / f"host_profile_b{batch}.txt")
+            try:  # a diagnostic: its failure must not cost the run's measurements
+                res[f"host_profile_b{batch}"] = host_profile(
+                    engine, prompts, base, max_tokens, profile_dir / f"host_profile_b{batch}.txt")
+            except Exception as e:
+                log(f"host profile failed: {e!r}")
+                res[f"host_profile_b{batch}"] = {"error": repr(e)}
     res["speculative"] = out
 
 

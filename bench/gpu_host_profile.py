@@ -81,7 +81,8 @@ def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> di
     started: set[str] = set()
     while len(started) < len(ids):
         started.update(o.request_id for o in engine.step())
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     acc.clear()
     prof = cProfile.Profile()
     steps, t = 0, time.perf_counter()
@@ -97,12 +98,14 @@ def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> di
         prof.disable()
         for obj, name, fn in reversed(patched):  # the last wrapper first
             setattr(obj, name, fn)
-    if half is None:
-        half = (steps, time.perf_counter() - t, dict(acc))
     buf = io.StringIO()
-    st = pstats.Stats(prof, stream=buf)
-    st.sort_stats("tottime").print_stats(35)
-    st.sort_stats("cumtime").print_stats(45)
+    if half is None:  # too few steps: all of them timed plainly, none profiled
+        half = (steps, time.perf_counter() - t, dict(acc))
+        buf.write(f"only {steps} steps: none profiled\n")
+    else:
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(35)
+        st.sort_stats("cumtime").print_stats(45)
     path.write_text(buf.getvalue())
     n, wall, phases = half
     res = {"steps_timed": n, "wall_ms_per_step": wall / n * 1e3,
