@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -32,6 +32,8 @@ class DraftTree:
     # proposals (point masses) and their rows are unused.
     draft_probs: torch.Tensor | None = None  # [N, vocab] float32, on the drafters' device
     stochastic: torch.Tensor | None = None  # [N] bool
+    # The (tokens, parents) host lists `from_lists` built the tensors from, kept for `host_lists`.
+    host: tuple[list[int], list[int]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -48,6 +50,13 @@ class DraftTree:
         """Host lists (tokens, parents) of sequence b's nodes."""
         s, e = self.offsets[b], self.offsets[b + 1]
         return self.tokens[s:e].tolist(), self.parents[s:e].tolist()
+
+    def host_lists(self) -> tuple[list[int], list[int]]:
+        """Every node's (tokens, parents) as host lists, without a device copy when the tree was
+        built from lists."""
+        if self.host is not None:
+            return self.host
+        return self.tokens.tolist(), self.parents.tolist()
 
     def max_depth(self) -> int:
         return int(self.depths.max()) if self.num_nodes else 0
@@ -79,11 +88,13 @@ class DraftTree:
         for toks, pars in trees:
             if len(toks) != len(pars):
                 raise ValueError("a draft tree needs one parent per node")
-            depths += depths_of(pars)  # checks that parents come first
+            shape = tuple(pars)
+            depths += _depths(shape)  # checks that parents come first
             if toks and (min(toks) < 0 or (vocab_size is not None and max(toks) >= vocab_size)):
                 bad = next(t for t in toks if t < 0 or (vocab_size and t >= vocab_size))
                 raise ValueError(f"draft token {bad} outside the vocabulary")
-            _check_unique_siblings(toks, pars)
+            if _shares_parents(shape):
+                _check_unique_siblings(toks, pars)
             tokens += toks
             parents += pars
             offsets.append(len(tokens))
@@ -110,7 +121,8 @@ class DraftTree:
         # One numpy conversion for the three lists: a third of torch.tensor's time per list (a
         # speculative step builds its batch's tree on the host while the device waits).
         arr = torch.from_numpy(np.array([tokens, parents, depths], dtype=np.int64))
-        return DraftTree(arr[0], arr[1], arr[2], tuple(offsets), draft_probs, stochastic)
+        return DraftTree(arr[0], arr[1], arr[2], tuple(offsets), draft_probs, stochastic,
+                         host=(tokens, parents))
 
 
 class RowShape(NamedTuple):
@@ -171,9 +183,13 @@ def _ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.bool)
 
 
+@functools.lru_cache(maxsize=4096)
+def _shares_parents(parents: tuple[int, ...]) -> bool:
+    """Whether two nodes share a parent: only then can siblings repeat a token (not in a chain)."""
+    return len(set(parents)) != len(parents)
+
+
 def _check_unique_siblings(tokens: Sequence[int], parents: Sequence[int]) -> None:
-    if len(set(parents)) == len(parents):
-        return  # no two nodes share a parent (a chain)
     seen: set[tuple[int, int]] = set()
     for t, p in zip(tokens, parents):
         if (p, t) in seen:

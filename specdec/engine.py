@@ -275,7 +275,7 @@ class LLMEngine:
             self.spec_control.record_draft(key[0], max(r.k for r in batch),
                                            time.perf_counter() - t0)
             # Whole-batch host copies: one conversion each, not one per sequence.
-            all_toks, all_pars = tree.tokens.tolist(), tree.parents.tolist()
+            all_toks, all_pars = tree.host_lists()
             stoch = tree.stochastic.tolist() if tree.draft_probs is not None else None
             for j, i in enumerate(idxs):
                 s, e = tree.offsets[j], tree.offsets[j + 1]

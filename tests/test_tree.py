@@ -64,3 +64,18 @@ def test_row_shape_matches_depths_and_mask(pars):
 def test_row_shape_refuses_a_child_before_its_parent():
     with pytest.raises(ValueError, match="parents must come first"):
         row_shape([1, -1])
+
+
+def test_host_lists_match_the_tensors():
+    trees = [([5, 6, 7], [-1, 0, 0]), ([], []), ([9, 4], [-1, 0])]
+    tree = DraftTree.from_lists(trees)
+    assert tree.host_lists() == (tree.tokens.tolist(), tree.parents.tolist())
+    bare = DraftTree(tree.tokens, tree.parents, tree.depths, tree.offsets)  # no host lists
+    assert bare.host_lists() == tree.host_lists()
+    assert bare == tree  # the host lists are a cache, not part of the tree's value
+
+
+def test_repeated_siblings_are_refused_after_a_chain_of_the_same_size():
+    DraftTree.from_lists([([1, 2, 3], [-1, 0, 1])])  # a chain: siblings never checked
+    with pytest.raises(ValueError, match="proposed twice"):
+        DraftTree.from_lists([([1, 1, 3], [-1, -1, 0])])
