@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from drafters import replay
@@ -84,3 +87,34 @@ def test_tree_shape_and_script_option():
     clean = replay.ReplayDrafter(target_vocab={f"t{i}": i for i in range(50)})
     req.options = {"script": {"a": [1, 2, 3, 9, 8, 7, 6]}}
     assert clean.propose([req]).seq(0)[0] == [9, 8, 7]
+
+
+def test_host_profile_times_the_phases_and_restores_the_engine(engine, plain, tmp_path):
+    """bench/gpu_host_profile.py wraps engine functions to time them (on the GPU machine, after
+    the batch-16 runs): it must hand the engine back as it found it."""
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        from gpu_host_profile import host_profile
+    finally:
+        sys.path.remove(bench)
+    import torch
+
+    import specdec.cuda_graphs as cg
+    import specdec.engine as E
+    import specdec.step_results as sr
+
+    def wrapped():
+        return (sr._read, E.finish_step, E.report, E.launch_verification, cg.pack_step,
+                cg.pick_bucket, torch.cuda.CUDAGraph.replay)
+
+    before = wrapped()
+    spec = {"method": "replay", "num_speculative_tokens": 4, "corrupt_rate": 0.3}
+    res = host_profile(engine, PROMPTS, spec, 40, tmp_path / "profile.txt")
+    assert all(a is b for a, b in zip(wrapped(), before))
+    assert res["steps_timed"] > 0
+    assert {"propose", "schedule", "read_back", "run (segments, execute, launch_verification)"
+            } <= set(res["phase_ms_per_step"])
+    assert (tmp_path / "profile.txt").read_text()
+    outs, specs = _generate(engine, spec, "after-profile")
+    assert outs == plain and all(s is not None for s in specs)
