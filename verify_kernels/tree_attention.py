@@ -81,7 +81,10 @@ MAX_SEQS = 4
 # its 16-row step took 5.25 ms (1.339 decode steps; Llama's, at 64 rows a program, 1.111) in
 # gpu_engine_qwen_h200_20261201_b1.json, against 5.21 ms with the two launches at 2026-12-01
 # morning's code (gpu_engine_h200_20261201_qwen_quick.json), whose 8-row step was 0.5 ms
-# slower than now. Such steps take the two launches. (Not yet timed side by side.)
+# slower than now. Such steps take the two launches: 1.315 decode steps with this rule
+# (gpu_engine_qwen_h200_20261201_long.json, another machine). The kernel itself has not been
+# timed side by side on these heads at 16 rows (bench/gpu_tiles.py --part attention --shape
+# qwen2.5-7b-shape).
 MAX_PROGRAM_ROWS = 64
 KERNEL_MAX_Q = 16
 # Rows a program takes when a call names no row blocks (`tree_attention`): BLOCK_M rows in
