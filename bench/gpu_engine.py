@@ -177,11 +177,23 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
             # kernel load falls inside a timed run.
             run_requests(engine, prompts, {**base, "corrupt_rate": replay.rate_for_tau(
                 taus[0], k)}, max_tokens, f"warm{batch}{shape}")
-            for tau in taus:
+            # Chains run twice: drafted on the device with each step launched before the last
+            # one's verdict is read back (specdec/spec_overlap.py), then drafted on the host
+            # between steps, as a host drafter (n-gram) is ("_host" cells).
+            modes = ((shape, True), (f"{shape}_host", False)) if branches == 1 else (
+                (shape, True),)
+            for (name, piped), tau in ((m, t) for m in modes for t in taus):
                 rate = replay.rate_for_tau(tau, k)
-                run = run_requests(engine, prompts, {**base, "corrupt_rate": rate}, max_tokens,
-                                   f"s{batch}{shape}{tau}")
+                engine.spec_pipeline.enabled = piped
+                chained = engine.spec_pipeline.chained_steps
+                try:
+                    run = run_requests(engine, prompts, {**base, "corrupt_rate": rate},
+                                       max_tokens, f"s{batch}{name}{tau}")
+                finally:
+                    engine.spec_pipeline.enabled = engine.pipeline.enabled
                 cell = {"corrupt_rate": rate, "tau_measured": run.tau,
+                        "overlapped_steps": engine.spec_pipeline.chained_steps - chained,
+                        "output_equals_plain": run.outputs == rec.outputs,
                         "tokens_per_s": run.rate, "speedup": run.rate / plain_rate,
                         "steady_tokens_per_s": run.steady_rate,
                         "steady_speedup": run.steady_rate / plain.steady_rate}
@@ -189,8 +201,8 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
                     cell.update(cost_ratio=cost, ideal=run.tau / cost,
                                 of_ideal=cell["speedup"] * cost / run.tau,
                                 steady_of_ideal=cell["steady_speedup"] * cost / run.tau)
-                row[f"{shape}_tau{tau}"] = cell
-                log(f"batch {batch} {shape} tau {tau}: measured tau {run.tau:.2f}, "
+                row[f"{name}_tau{tau}"] = cell
+                log(f"batch {batch} {name} tau {tau}: measured tau {run.tau:.2f}, "
                     f"{run.rate:.1f} tok/s, speedup {cell['speedup']:.2f} "
                     f"(steady {cell['steady_speedup']:.2f})"
                     + (f", {cell['of_ideal']:.0%} / {cell['steady_of_ideal']:.0%} of ideal"
@@ -200,12 +212,16 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
         if batch > 1 and profile_dir is not None:
             base = {"method": "replay", "num_speculative_tokens": k, "branches": 1,
                     "corrupt_rate": replay.rate_for_tau(3, k)}
+            # Of host-drafted steps (the overlapped ones leave the host no gap to profile).
+            engine.spec_pipeline.enabled = False
             try:  # a diagnostic: its failure must not cost the run's measurements
                 res[f"host_profile_b{batch}"] = host_profile(
                     engine, prompts, base, max_tokens, profile_dir / f"host_profile_b{batch}.txt")
             except Exception as e:
                 log(f"host profile failed: {e!r}")
                 res[f"host_profile_b{batch}"] = {"error": repr(e)}
+            finally:
+                engine.spec_pipeline.enabled = engine.pipeline.enabled
     res["speculative"] = out
 
 
@@ -304,8 +320,9 @@ def main() -> None:
         if args.cost_batches:
             batches = tuple(int(x) for x in args.cost_batches.split(","))
         cost_curve(engine, res, bw, batches, sizes)
-        b1 = res["verify_cost_ratio"]["1"]["decode_step_ms"] / 1e3
-        res["decode_b1_runner_step_fraction_of_roofline"] = floor / b1
+        if "1" in res["verify_cost_ratio"]:  # (--cost-batches may leave batch 1 out)
+            b1 = res["verify_cost_ratio"]["1"]["decode_step_ms"] / 1e3
+            res["decode_b1_runner_step_fraction_of_roofline"] = floor / b1
         save()  # before the graph-vs-eager check's capture: a run cut there keeps the curve
         if engine.runner.graphs is not None and args.sizes != "":  # ("": 1-row graphs only)
             graph_vs_eager(engine, res)

@@ -60,6 +60,17 @@ class Drafter(ABC):
         """The tree size this drafter asks the scheduler for, given the request's settings."""
         return k
 
+    def has_position_table(self, options: dict[str, Any]) -> bool:
+        """Whether, with these settings, the drafter's chains depend on positions alone
+        (`position_table`), so steps can be drafted on the device (specdec/spec_overlap.py)."""
+        return False
+
+    def position_table(self, request: DraftRequest, length: int,
+                       device: torch.device) -> torch.Tensor:
+        """[length] int64 on `device`: entry p is the token this drafter proposes at position p
+        of the request, whatever the step. Only where `has_position_table` says so."""
+        raise NotImplementedError(f"drafter {self.name!r} has no position table")
+
 
 DRAFTERS: dict[str, type[Drafter]] = {}
 

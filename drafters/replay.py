@@ -15,6 +15,12 @@ gets b - 1 sibling leaves beside the chain node; when the chain node is corrupte
 in turn carries the true token with probability 1 - r (a second guess, as tree drafters make).
 `script`: {request_id: the request's whole expected token sequence, prompt then output}
 overrides the recorded registry; `seed` (default 0).
+
+Chains also come as a position table (`position_table`), for steps drafted on the device
+(specdec/spec_overlap.py): each position of the script is corrupted once, in advance, with
+probability r. The acceptance is the same in distribution: a chain's first corrupted token is
+rejected and replaced by the target's own, so the next step starts past it, and each position
+is judged once, whether its draw was made in advance or at the step.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 import random
 import zlib
 from typing import Any
+
+import torch
 
 from drafters.base import Drafter, DraftRequest, register
 from drafters.tree import DraftTree
@@ -77,6 +85,7 @@ class ReplayDrafter(Drafter):
     def __init__(self, target_vocab: dict[str, int] | None = None, **_: Any) -> None:
         self._vocab = max(target_vocab.values()) + 1 if target_vocab else None
         self._cursors: dict[str, _Cursor] = {}
+        self._tables: dict[str, torch.Tensor] = {}  # per request: its position table
         self.proposed = 0  # nodes proposed
         self.off_script = 0  # steps whose history had left the script (random proposals)
 
@@ -88,6 +97,28 @@ class ReplayDrafter(Drafter):
 
     def release(self, request_id: str) -> None:
         self._cursors.pop(request_id, None)
+        self._tables.pop(request_id, None)
+
+    def has_position_table(self, options: dict[str, Any]) -> bool:
+        return max(1, int(options.get("branches", 1))) == 1
+
+    def position_table(self, r: DraftRequest, length: int, device: torch.device) -> torch.Tensor:
+        t = self._tables.get(r.request_id)
+        if t is not None and t.shape[0] == length and t.device == device:
+            return t
+        cur = self._cursor(r)
+        future = cur.future or []
+        vocab = self._vocab or 2 + max(future, default=0)
+        g = torch.Generator().manual_seed(cur.rng.getrandbits(63))
+        table = torch.randint(0, vocab, (length,), generator=g)  # off the script: random
+        n = max(0, min(len(future), length - cur.prompt_len))
+        if n:
+            truth = torch.tensor(future[:n], dtype=torch.long)
+            bad = torch.rand(n, generator=g) < float(r.options.get("corrupt_rate", 0.0))
+            other = (truth + torch.randint(1, max(2, vocab), (n,), generator=g)) % vocab
+            table[cur.prompt_len:cur.prompt_len + n] = torch.where(bad, other, truth)
+        t = self._tables[r.request_id] = table.to(device)
+        return t
 
     def _cursor(self, r: DraftRequest) -> _Cursor:
         cur = self._cursors.get(r.request_id)

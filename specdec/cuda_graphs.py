@@ -152,9 +152,10 @@ class GraphRunner:
 
         return getattr(self.backend, "fused_tree", False) and tree.takes(b, q, self.hq // self.hkv)
 
-    def execute(self, segments: list[Any], token_source: torch.Tensor | None = None):
+    def execute(self, segments: list[Any], token_source: torch.Tensor | None = None,
+                fixup=None):
         """The step's StepOutput through a graph, or None when the step must run eagerly.
-        `token_source`: see ModelRunner.execute."""
+        `token_source`, `fixup`: see ModelRunner.execute."""
         from specdec.model_runner import StepOutput
 
         key = pick_bucket(segments, self.width, self.block_size)
@@ -169,6 +170,9 @@ class GraphRunner:
         if token_source is not None:
             assert lay.q == 1, "token_source needs one-row segments"
             d64[:len(segments)].copy_(token_source)  # after the staged ids, same stream
+        if fixup is not None:
+            v = self._views(self.dbuf, lay)
+            fixup(v[0], v[1], lay)  # queued after the staging copy, before the replay
         graph, (hidden, logits) = self.graphs[key]
         graph.replay()
         self.replays += 1

@@ -30,6 +30,7 @@ from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler, StepPlan
 from specdec.sequence import Sequence
 from specdec.spec_control import Candidate, SpeculationController
+from specdec.spec_overlap import SpecPipeline
 from specdec.step_results import (
     PendingStep,
     Settled,
@@ -74,6 +75,7 @@ class LLMEngine:
         overlap = config.scheduler.overlap
         self.pipeline = DecodePipeline(self.runner.device.type == "cuda" if overlap is None
                                        else overlap)
+        self.spec_pipeline = SpecPipeline(self.pipeline.enabled)
         # What exists now lives as long as the engine: kept out of the collector's full
         # passes, whose host stalls outlast a decode step (bench/gpu_decode_attn.py timeline).
         gc.collect()
@@ -194,6 +196,10 @@ class LLMEngine:
             if self.pipeline.can_chain(self):
                 return outputs + self.pipeline.chain(self)
             outputs += self.pipeline.drain(self)
+        if self.spec_pipeline.in_flight is not None:  # see specdec/spec_overlap.py
+            if self.spec_pipeline.can_chain(self):
+                return outputs + self.spec_pipeline.chain(self)
+            outputs += self.spec_pipeline.drain(self)
         settled = self._read_back()
         aborted: list[Sequence] = []
         try:
@@ -316,6 +322,10 @@ class LLMEngine:
                                 bm.slots(s, c, 1 + n), c, s.block_table, mask=shape.mask,
                                 logits_rows=shape.logits_rows))
         capture = self._capture_layers(plan)
+        if self.spec_pipeline.enabled and self.spec_pipeline.qualifies(self, plan, trees,
+                                                                       capture):
+            self.spec_pipeline.launch(self, plan, segs)
+            return None  # read back by the next step
         if self.pipeline.enabled and self.pipeline.qualifies(plan, trees, capture):
             self.pipeline.launch(self, [d.seq for d in plan.decodes], segs)
             return None  # read back by the next step

@@ -123,13 +123,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, segments: list[Segment], capture_layers: tuple[int, ...] | None = None,
-                token_source: torch.Tensor | None = None) -> StepOutput:
+                token_source: torch.Tensor | None = None, fixup=None) -> StepOutput:
         """`token_source`: [len(segments)] device tokens that replace the tokens of one-row
-        segments (the previous step's argmax, not yet on the host: specdec.overlap)."""
+        segments (the previous step's argmax, not yet on the host: specdec.overlap).
+        `fixup(d64, d32, layout)`: edits a graph step's staged device inputs in place before
+        the replay (specdec.spec_overlap); such a step must fit a graph bucket."""
         if self.graphs is not None and capture_layers is None:  # CUDA graphs (see __init__)
-            out = self.graphs.execute(segments, token_source)
+            out = self.graphs.execute(segments, token_source, fixup)
             if out is not None:
                 return out
+        if fixup is not None:
+            raise RuntimeError("a step with device-side inputs must run through a CUDA graph")
         input_ids, positions, meta = self.build_inputs(segments)
         if token_source is not None:
             assert input_ids.shape == token_source.shape, "token_source needs one-row segments"

@@ -1,0 +1,171 @@
+"""Overlapped speculative decoding (specdec/spec_overlap.py) gives the outputs of plain greedy
+decoding, and its on-device step inputs are the ones the host would have packed.
+
+On the CPU the pipeline builds each chained step from host lists (the "device" is the host), so
+the engine tests check its bookkeeping: KV commits a step behind, blocks reserved two steps
+ahead, work past a stop dropped, a shrinking batch carried on, arrivals draining it. The
+in-place fix of a graph step's staged inputs (`chain_inputs`) is checked here against
+`pack_step` of the steps the host would have built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_engine import PROMPTS
+
+from drafters import replay
+from drafters.tree import row_shape
+from specdec import LLM, SamplingParams
+from specdec.graph_inputs import Layout, pack_step
+from specdec.model_runner import Segment
+from specdec.spec_overlap import InFlight, accept_chains, chain_inputs
+
+PROMPTS = PROMPTS[:4]
+
+
+def llm(model, overlap: bool, **kw) -> LLM:
+    return LLM(model=str(model), speculative={"method": "none"}, overlap=overlap, block_size=4,
+               **kw)
+
+
+def summary(outs):
+    return [(o.token_ids, o.finish_reason, o.text) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    outs = llm(tiny_llama, False).generate(PROMPTS, SamplingParams(
+        temperature=0, max_tokens=48, ignore_eos=True))
+    replay.clear_recorded()
+    for p, o in zip(PROMPTS, outs):
+        replay.record(p, o.token_ids)
+    return outs
+
+
+def spec_params(rate: float, k: int = 3, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, ignore_eos=True, speculative={
+        "method": "replay", "num_speculative_tokens": k, "corrupt_rate": rate}, **kw)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.4, 1.0])
+def test_overlapped_chains_equal_plain(tiny_llama, plain, rate):
+    lm = llm(tiny_llama, True)
+    outs = lm.generate(PROMPTS, spec_params(rate, max_tokens=48))
+    assert summary(outs) == summary(plain)
+    eng = lm.engine
+    assert eng.spec_pipeline.chained_steps >= 8
+    assert eng.spec_pipeline.in_flight is None and eng.blocks.num_used == 0
+    spec = eng.spec_totals["replay"]
+    if rate == 0.0:  # drafts on the script are all accepted (past its end they are random)
+        assert spec.emitted_tokens / spec.steps > 3.4
+    if rate == 1.0:
+        assert spec.accepted_tokens == 0
+
+
+def test_tau_of_overlapped_chains_follows_the_rate(tiny_llama, plain):
+    """The position table corrupts each position once, in advance: tau is the same in
+    distribution as with draws at each step (drafters/replay.py)."""
+    k, rate = 4, 0.3
+    lm = llm(tiny_llama, True)
+    prompts = PROMPTS * 6
+    outs = lm.generate(prompts, spec_params(rate, k=k, max_tokens=48))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain] * 6
+    s = lm.engine.spec_totals["replay"]
+    tau = s.emitted_tokens / s.steps
+    assert abs(tau - replay.expected_tau(rate, k)) < 0.45, tau
+
+
+def test_stops_lengths_and_arrivals(tiny_llama, plain):
+    """Requests ending at different steps (the batch shrinks under the pipeline), a stop token,
+    and an arrival and an abort mid-run (they drain it)."""
+    ref = plain
+    params = [spec_params(0.2, max_tokens=24, stop_token_ids=[ref[0].token_ids[9]]),
+              spec_params(0.2, max_tokens=5),
+              spec_params(0.2, max_tokens=17),
+              spec_params(0.2, max_tokens=40)]
+    want = summary(llm(tiny_llama, False).generate(PROMPTS, params))
+    lm = llm(tiny_llama, True)
+    assert summary(lm.generate(PROMPTS, params)) == want
+    assert lm.engine.spec_pipeline.chained_steps > 0 and lm.engine.blocks.num_used == 0
+
+    eng = lm.engine
+    done = {}
+    for step in range(300):
+        if step in (0, 4, 9):
+            i = (0, 4, 9).index(step)
+            eng.add_request(f"a{i}", PROMPTS[i], spec_params(0.2, max_tokens=40))
+        if step == 6:
+            eng.abort_request("a0")
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        if step > 9 and not eng.has_unfinished():
+            break
+    assert done["a0"].finish_reason == "abort"
+    assert done["a1"].token_ids == ref[1].token_ids[:40]
+    assert done["a2"].token_ids == ref[2].token_ids[:40]
+    assert eng.blocks.num_used == 0 and all(r == 0 for r in eng.blocks.ref_counts)
+
+
+def test_not_taken_for_sampling_or_trees(tiny_llama, plain):
+    lm = llm(tiny_llama, True)
+    tree = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative={
+        "method": "replay", "num_speculative_tokens": 3, "branches": 2})
+    outs = lm.generate(PROMPTS, tree)
+    assert [o.token_ids for o in outs] == [o.token_ids[:20] for o in plain]
+    sampled = SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True,
+                             speculative={"method": "replay", "num_speculative_tokens": 3})
+    lm.generate(PROMPTS[:1], sampled)
+    assert lm.engine.spec_pipeline.chained_steps == 0
+
+
+def test_accept_chains():
+    # Two chains of k = 3: the first accepts two drafts, the second none.
+    v = 10
+    ids = torch.tensor([[1, 4, 5, 6], [2, 7, 7, 7]])
+    am = torch.tensor([[4, 5, 9, 3], [8, 7, 7, 7]])
+    logits = torch.nn.functional.one_hot(am.flatten(), v).float()
+    got, num = accept_chains(logits, ids)
+    assert got.tolist() == am.tolist() and num.tolist() == [3, 1]
+
+
+@pytest.mark.parametrize("q", [4, 8])
+def test_chain_inputs_match_the_host_packing(q):
+    """Staged from stale contexts, then moved on by the emitted counts on the "device": the
+    buffers equal pack_step's of the segments the host would build after reading back."""
+    g = torch.Generator().manual_seed(0)
+    bs, k, n, b, w = 4, 3, 3, 4, 8
+    m = k + 1
+    lay = Layout(b, q, w)
+    tables = [torch.randperm(64, generator=g)[:w].tolist() for _ in range(n)]
+    ctx = [5, 11, 2]
+    table = torch.randint(0, 100, (n, 64), generator=g)
+    emitted = torch.randint(0, 100, (n + 1, m), generator=g)
+    num = torch.tensor([2, 4, 1, 3])
+    rows = torch.tensor([0, 1, 3])  # the in-flight step's row 2 finished
+    prev = InFlight([], [], table, emitted, num, None)
+    shape = row_shape(list(range(-1, k - 1)))
+
+    def segs(contexts, tokens, staged):
+        return [Segment(t, [c + x for x in shape.offsets],
+                        [-1] * m if staged else
+                        [tab[p // bs] * bs + p % bs for p in range(c, c + m)],
+                        c, tab, mask=shape.mask, logits_rows=shape.logits_rows)
+                for c, t, tab in zip(contexts, tokens, tables)]
+
+    def packed(segments):
+        h64, h32 = np.zeros(lay.n64, np.int64), np.zeros(lay.n32, np.int32)
+        hmask = np.zeros(max(1, lay.nmask), bool)
+        pack_step(segments, lay, h64, h32, hmask)
+        return torch.from_numpy(h64), torch.from_numpy(h32)
+
+    d64, d32 = packed(segs(ctx, [[0] * m] * n, True))
+    ids = chain_inputs(d64, d32, lay, bs, n, k, prev, rows, table)
+    new_ctx = [c + int(num[r]) for c, r in zip(ctx, rows.tolist())]
+    want_tokens = [[int(emitted[r, num[r] - 1])] + table[i, c + 1:c + m].tolist()
+                   for i, (c, r) in enumerate(zip(new_ctx, rows.tolist()))]
+    w64, w32 = packed(segs(new_ctx, want_tokens, False))
+    assert ids.tolist() == want_tokens
+    assert torch.equal(d64, w64) and torch.equal(d32, w32)
