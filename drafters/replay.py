@@ -16,11 +16,12 @@ in turn carries the true token with probability 1 - r (a second guess, as tree d
 `script`: {request_id: the request's whole expected token sequence, prompt then output}
 overrides the recorded registry; `seed` (default 0).
 
-Chains also come as a position table (`position_table`), for steps drafted on the device
-(specdec/spec_overlap.py): each position of the script is corrupted once, in advance, with
-probability r. The acceptance is the same in distribution: a chain's first corrupted token is
-rejected and replaced by the target's own, so the next step starts past it, and each position
-is judged once, whether its draw was made in advance or at the step.
+Proposals also come as a position table (`position_table`), for steps drafted on the device
+(specdec/spec_overlap.py): each position's level (the chain token, then its siblings) is drawn
+once, in advance, as a step would draw it. The acceptance is the same in distribution: where
+the script is missed, the target's own token replaces the guess and the next step starts past
+that position, so each position is judged once, whether its draw was made in advance or at the
+step.
 """
 
 from __future__ import annotations
@@ -100,23 +101,37 @@ class ReplayDrafter(Drafter):
         self._tables.pop(request_id, None)
 
     def has_position_table(self, options: dict[str, Any]) -> bool:
-        return max(1, int(options.get("branches", 1))) == 1
+        return True
 
     def position_table(self, r: DraftRequest, length: int, device: torch.device) -> torch.Tensor:
+        """[length, branches]: the chain token then its siblings at each position, drawn as
+        `_one` draws a level, once per position."""
         t = self._tables.get(r.request_id)
         if t is not None and t.shape[0] == length and t.device == device:
             return t
         cur = self._cursor(r)
         future = cur.future or []
-        vocab = self._vocab or 2 + max(future, default=0)
+        branches = max(1, int(r.options.get("branches", 1)))
+        rate = float(r.options.get("corrupt_rate", 0.0))
+        vocab = self._vocab or 2 + max(future, default=0) + branches
         g = torch.Generator().manual_seed(cur.rng.getrandbits(63))
-        table = torch.randint(0, vocab, (length,), generator=g)  # off the script: random
+        truth = torch.randint(0, vocab, (length,), generator=g)
+        on = torch.zeros(length, dtype=torch.bool)  # positions the script covers
         n = max(0, min(len(future), length - cur.prompt_len))
         if n:
-            truth = torch.tensor(future[:n], dtype=torch.long)
-            bad = torch.rand(n, generator=g) < float(r.options.get("corrupt_rate", 0.0))
-            other = (truth + torch.randint(1, max(2, vocab), (n,), generator=g)) % vocab
-            table[cur.prompt_len:cur.prompt_len + n] = torch.where(bad, other, truth)
+            truth[cur.prompt_len:cur.prompt_len + n] = torch.tensor(future[:n], dtype=torch.long)
+            on[cur.prompt_len:cur.prompt_len + n] = True
+        # Wrong guesses: distinct offsets from the truth, so siblings differ from it and from
+        # each other.
+        base = torch.randint(0, max(1, vocab - 1), (length, 1), generator=g)
+        step = torch.arange(branches)[None, :]
+        table = (truth[:, None] + 1 + (base + step) % max(1, vocab - 1)) % vocab
+        placed = on & (torch.rand(length, generator=g) >= rate)
+        table[:, 0] = torch.where(placed, truth, table[:, 0])
+        for b in range(1, branches):  # a sibling carries the truth the chain node missed
+            put = on & ~placed & (torch.rand(length, generator=g) >= rate)
+            table[:, b] = torch.where(put, truth, table[:, b])
+            placed |= put
         t = self._tables[r.request_id] = table.to(device)
         return t
 

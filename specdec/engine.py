@@ -324,7 +324,7 @@ class LLMEngine:
         capture = self._capture_layers(plan)
         if self.spec_pipeline.enabled and self.spec_pipeline.qualifies(self, plan, trees,
                                                                        capture):
-            self.spec_pipeline.launch(self, plan, segs)
+            self.spec_pipeline.launch(self, plan, segs, trees[0][1])
             return None  # read back by the next step
         if self.pipeline.enabled and self.pipeline.qualifies(plan, trees, capture):
             self.pipeline.launch(self, [d.seq for d in plan.decodes], segs)

@@ -157,6 +157,18 @@ class ModelRunner:
         return StepOutput(self.model.compute_logits(h), h, offsets, features, qoff)
 
     @torch.inference_mode()
+    def move_kv_device(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """`move_kv` of device slot tensors, in the same order rules (a pair may be a slot onto
+        itself: nothing moves)."""
+        if self.device.type == "cuda":
+            from verify_kernels.kv_ops import compact_kv
+
+            compact_kv(self.kv, src, dst, sorted_by_dst=True)
+        else:
+            flat = self.kv.view(self.kv.shape[0], 2, -1, *self.kv.shape[4:])
+            flat[:, :, dst] = flat[:, :, src].clone()
+
+    @torch.inference_mode()
     def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
         """Copy KV entries of all layers from src to dst slots (accepted tree paths), each
         sequence's pairs in ascending dst order with src >= dst (its accepted nodes move down

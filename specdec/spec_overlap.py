@@ -45,41 +45,95 @@ if TYPE_CHECKING:
     from specdec.sequence import Sequence
 
 
+class TreeShape:
+    """The one draft-tree shape every sequence of an overlapped step has (static while the
+    pipeline runs): which row is each node's parent, the nodes of each depth, and each node's
+    rank among its siblings (its column in the position tables)."""
+
+    def __init__(self, parents: list[int]) -> None:
+        self.parents = list(parents)
+        n = len(parents)
+        self.depth: list[int] = []
+        self.column: list[int] = []
+        seen: dict[int, int] = {}
+        for p in parents:
+            self.depth.append(1 if p < 0 else self.depth[p] + 1)
+            self.column.append(seen.get(p, 0))
+            seen[p] = self.column[-1] + 1
+        self.k = max(self.depth, default=0)
+        self.rows = n + 1
+        self.width = max(self.column, default=0) + 1
+        self.is_chain = parents == list(range(-1, n - 1))
+        self.levels = [[i for i in range(n) if self.depth[i] == d] for d in range(1, self.k + 1)]
+        self._dev: dict[torch.device, tuple] = {}
+
+    def tensors(self, device: torch.device):
+        """(parent row per node [N], column per node [N], per depth its nodes and their parent
+        nodes, rows 0 .. m - 1) on `device`."""
+        t = self._dev.get(device)
+        if t is None:
+            prow = torch.tensor([1 + p for p in self.parents], dtype=torch.long)
+            col = torch.tensor(self.column, dtype=torch.long)
+            levels = [(torch.tensor(lv, dtype=torch.long),
+                       torch.tensor([self.parents[i] for i in lv], dtype=torch.long))
+                      for lv in self.levels]
+            t = self._dev[device] = (
+                prow.to(device), col.to(device),
+                [(a.to(device), b.to(device)) for a, b in levels],
+                torch.arange(self.rows, device=device))
+        return t
+
+
 @dataclass
 class InFlight:
     """A launched speculative step whose verdict has not been read back."""
 
     seqs: list[Sequence]
     contexts: list[int]  # per sequence, its KV entries before the step (the root's position)
-    table: torch.Tensor  # [n, L] the sequences' position tables (device)
-    emitted: torch.Tensor  # [n, k + 1] argmax of every row (device)
+    table: torch.Tensor  # [n, L, W] the sequences' position tables (device)
+    emitted: torch.Tensor  # [n, k + 1] accepted tokens then the bonus, per sequence (device)
     num: torch.Tensor  # [n] tokens emitted: accepted drafts + the bonus (device)
-    host: HostCopy  # emitted then num, on their way to the host
+    host: HostCopy | None  # emitted then num, on their way to the host
 
 
-def accept_chains(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance of a batch of chains on the device. `logits` [n * m, V], the rows of
-    each sequence's root and k = m - 1 drafts in order; `ids` [n, m] the rows' input tokens.
-    Returns (argmax [n, m], emitted count [n]): the first `count` argmax tokens are the
-    accepted drafts then the bonus token."""
+def accept_greedy(logits: torch.Tensor, ids: torch.Tensor, shape: TreeShape
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of a batch of same-shaped trees on the device. `logits` [n * m, V],
+    each sequence's root row then its nodes' rows; `ids` [n, m] the rows' input tokens.
+    A node is accepted when its token is the argmax of its parent's row and its parent is
+    accepted (siblings hold distinct tokens, so at most one per depth is). Returns (emitted
+    [n, k + 1], count [n], accepted node per depth [n, k], -1 past the path): the first `count`
+    emitted tokens are the accepted path's then the bonus token."""
     n, m = ids.shape
+    prow, _, levels, _ = shape.tensors(ids.device)
     am = argmax_rows(logits).view(n, m)
-    ok = (am[:, :-1] == ids[:, 1:]).to(torch.int32)
-    return am, ok.cumprod(dim=1).sum(dim=1).to(torch.int64) + 1
+    acc = ids[:, 1:] == am.index_select(1, prow)  # [n, N]: matches its parent's argmax
+    if shape.is_chain:
+        acc = acc.to(torch.int32).cumprod(dim=1).bool()
+    else:
+        for nodes, pars in levels[1:]:
+            acc[:, nodes] &= acc[:, pars]
+    nodes = torch.stack([(acc[:, lv].long() * (lv + 1)).sum(dim=1) - 1 for lv, _ in levels],
+                        dim=1)  # [n, k]
+    count = (nodes >= 0).sum(dim=1) + 1
+    path = torch.cat([torch.zeros_like(count)[:, None], 1 + nodes.clamp(min=0)], dim=1)
+    return am.gather(1, path), count, nodes
 
 
 def chain_inputs(d64: torch.Tensor, d32: torch.Tensor, lay: Layout, block_size: int,
-                 n: int, k: int, prev: InFlight, rows: torch.Tensor, table: torch.Tensor
-                 ) -> torch.Tensor:
+                 n: int, shape: TreeShape, prev: InFlight, rows: torch.Tensor,
+                 table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Move a step staged from the host's stale view forward on the device, in place.
 
-    The staging buffers (specdec.graph_inputs.Layout) hold n chains of k drafts, staged with each
-    sequence's context as the host knew it when step `prev` launched (positions ctx .. ctx + k,
-    no tokens). Sequence i was row rows[i] of `prev`: its context grows by that row's emitted
-    count, its root is the last emitted token and its drafts come from its position table.
-    Returns the step's input tokens [n, k + 1]."""
+    The staging buffers (specdec.graph_inputs.Layout) hold n trees of `shape`, staged with
+    each sequence's context as the host knew it when step `prev` launched (no tokens, no
+    slots). Sequence i was row rows[i] of `prev`: its context and positions grow by that
+    row's emitted count, its root is the last emitted token, its nodes' tokens come from its
+    position table (position, column) and row r's KV slot is context + r's, through the block
+    table. Returns the step's (input tokens, KV slots), each [n, m]."""
     t, b, q, w = lay.tokens, lay.batch, lay.q, lay.width
-    m = k + 1
+    m = shape.rows
+    _, col, _, ar = shape.tensors(table.device)
     add = prev.num.index_select(0, rows)  # [n]
     root = prev.emitted.index_select(0, rows).gather(1, (add - 1)[:, None])  # [n, 1]
     ctx = d32[b + 1:2 * b + 1][:n]
@@ -87,14 +141,16 @@ def chain_inputs(d64: torch.Tensor, d32: torch.Tensor, lay: Layout, block_size: 
     d32[2 * b + 1:3 * b + 1][:n] += add.to(torch.int32)
     pos = d64[t:2 * t].view(b, q)[:n, :m]
     pos += add[:, None]
-    # Drafts sit after the root: positions ctx + 1 .. ctx + k of the sequence.
-    drafts = table.gather(1, pos[:, 1:])
+    width = table.shape[2]
+    drafts = table.view(n, -1).gather(1, pos[:, 1:] * width + col)
     ids = torch.cat([root, drafts], dim=1)  # [n, m]
     d64[0:t].view(b, q)[:n, :m] = ids
+    at = ctx.to(torch.int64)[:, None] + ar  # [n, m] the rows' KV indices
     tables = d32[3 * b + 1:3 * b + 1 + b * w].view(b, w)[:n]
-    blocks = tables.gather(1, (pos // block_size).to(torch.int64)).to(torch.int64)
-    d64[2 * t:3 * t].view(b, q)[:n, :m] = blocks * block_size + pos % block_size
-    return ids
+    blocks = tables.gather(1, at // block_size).to(torch.int64)
+    slots = blocks * block_size + at % block_size
+    d64[2 * t:3 * t].view(b, q)[:n, :m] = slots
+    return ids, slots
 
 
 class SpecPipeline:
@@ -102,67 +158,87 @@ class SpecPipeline:
         self.enabled = enabled
         self.in_flight: InFlight | None = None
         self.chained_steps = 0  # steps launched before their predecessor was read back
-        self._k = 0
+        self.shape: TreeShape | None = None
+        self._shapes: dict[tuple[int, ...], TreeShape] = {}
 
     def qualifies(self, engine: LLMEngine, plan: StepPlan, trees: list, capture) -> bool:
-        """A step of greedy chains of one depth, from drafters with position tables, that a
+        """A step of greedy trees of one shape, from drafters with position tables, that a
         graph bucket runs."""
-        graphs = engine.runner.graphs
         if plan.prefills or not plan.decodes or capture is not None:
             return False
-        if graphs is None and engine.runner.device.type == "cuda":
+        if engine.runner.graphs is None and engine.runner.device.type == "cuda":
             return False
-        k = plan.decodes[0].seq.spec_k
+        pars0 = trees[0][1]
         for d, (toks, pars, probs) in zip(plan.decodes, trees):
             s, p = d.seq, d.seq.params
-            if (s.spec_method == "none" or s.spec_k != k or len(toks) != k or probs is not None
-                    or pars != list(range(-1, k - 1)) or not p.greedy or p.has_penalties
-                    or p.logprobs is not None
+            if (not toks or pars != pars0 or probs is not None or not p.greedy
+                    or p.has_penalties or p.logprobs is not None
                     or s.spec_options.get("adaptive", engine.adaptive_default)
                     or not engine._drafter_of(s).has_position_table(s.spec_options)):
                 return False
-        if k < 1 or not self._fits(engine, [d.seq for d in plan.decodes], k):
-            return False
-        return True
+        shape = self._shape(pars0)
+        return self._fits(engine, [d.seq for d in plan.decodes], shape)
+
+    def _shape(self, parents: list[int]) -> TreeShape:
+        key = tuple(parents)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = TreeShape(parents)
+        return shape
 
     @staticmethod
-    def _fits(engine: LLMEngine, seqs: list[Sequence], k: int) -> bool:
-        """Two steps of k + 1 rows stay inside the context, and a graph bucket takes them."""
-        if any(s.num_tokens + 2 * (k + 1) > engine.max_model_len for s in seqs):
+    def _fits(engine: LLMEngine, seqs: list[Sequence], shape: TreeShape) -> bool:
+        """Two steps stay inside the context, and a graph bucket takes them."""
+        m = shape.rows
+        if any(s.num_tokens + 2 * m > engine.max_model_len for s in seqs):
             return False
         graphs = engine.runner.graphs
         if graphs is None:
             return True
         from specdec.graph_inputs import pick_bucket
 
-        probe = [Segment([0] * (k + 1), [], [], s.num_computed + k + 1, s.block_table)
-                 for s in seqs]
+        probe = [Segment([0] * m, [], [], s.num_computed + m, s.block_table) for s in seqs]
         return pick_bucket(probe, graphs.width, graphs.block_size) is not None
 
-    def launch(self, engine: LLMEngine, plan: StepPlan, segs: list[Segment]) -> None:
+    def launch(self, engine: LLMEngine, plan: StepPlan, segs: list[Segment],
+               parents: list[int]) -> None:
         """Run a step whose segments the host built (its drafts from the host drafter), and keep
         its verdict in flight."""
         seqs = [d.seq for d in plan.decodes]
-        k = seqs[0].spec_k
-        self._k = k
+        self.shape = self._shape(parents)
         dev = engine.runner.device
-        table = self._table(engine, seqs, k)
+        table = self._table(engine, seqs)
         out = engine.runner.execute(segs)
         ids = host_to_device([g.tokens for g in segs], torch.long, dev)
-        self._keep(engine, seqs, [g.context_len for g in segs], table, out.logits, ids)
+        slots = host_to_device([g.slots for g in segs], torch.long, dev)
+        self._keep(engine, seqs, [g.context_len for g in segs], table, out.logits, ids, slots)
 
-    def _table(self, engine: LLMEngine, seqs: list[Sequence], k: int) -> torch.Tensor:
-        length = engine.max_model_len + k + 1
+    def _table(self, engine: LLMEngine, seqs: list[Sequence]) -> torch.Tensor:
+        shape = self.shape
+        length = engine.max_model_len + shape.rows
         rows = []
         for s in seqs:
-            r = DraftRequest(request_id=s.request_id, tokens=s.tokens, max_nodes=k, k=k,
-                             options=s.spec_options, params=s.params)
-            rows.append(engine._drafter_of(s).position_table(r, length, engine.runner.device))
-        return torch.stack(rows)
+            r = DraftRequest(request_id=s.request_id, tokens=s.tokens, max_nodes=shape.rows - 1,
+                             k=shape.k, options=s.spec_options, params=s.params)
+            t = engine._drafter_of(s).position_table(r, length, engine.runner.device)
+            rows.append(t if t.dim() == 2 else t[:, None])
+        table = torch.stack(rows)  # [n, L, W]
+        if table.shape[2] < shape.width:
+            raise ValueError("a position table is narrower than the tree it drafts")
+        return table
 
     def _keep(self, engine: LLMEngine, seqs: list[Sequence], contexts: list[int],
-              table: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor) -> None:
-        emitted, num = accept_chains(logits, ids)
+              table: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        shape = self.shape
+        emitted, num, nodes = accept_greedy(logits, ids, shape)
+        if not shape.is_chain:
+            # KV of the accepted path moves to consecutive rows after the root: depth d's node
+            # to row d (step_results.finish_step does this from host lists).
+            dst = slots[:, 1:shape.k + 1]
+            moved = (nodes >= 0) & (nodes != torch.arange(shape.k, device=nodes.device))
+            src = torch.where(moved, slots.gather(1, 1 + nodes.clamp(min=0)), dst)
+            engine.runner.move_kv_device(src.flatten(), dst.flatten())
         self.in_flight = InFlight(seqs, contexts, table, emitted, num,
                                   device_to_host(torch.cat([emitted.flatten(), num])))
 
@@ -177,41 +253,42 @@ class SpecPipeline:
         if any(id(s) not in live or s.aborted for s in sched.running):
             return False
         seqs = [s for s in f.seqs if not s.is_finished]
-        if len(seqs) != len(sched.running) or not self._fits(engine, seqs, self._k):
+        if len(seqs) != len(sched.running) or not self._fits(engine, seqs, self.shape):
             return False
-        return all(engine.blocks.reserve(s, 2 * (self._k + 1)) for s in seqs)
+        return all(engine.blocks.reserve(s, 2 * self.shape.rows) for s in seqs)
 
     def chain(self, engine: LLMEngine) -> list[RequestOutput]:
         """Launch the next step from the device verdict of the one in flight, then read that one
         back. Call after `can_chain` said yes."""
         f = self.in_flight
-        assert f is not None
-        k, runner = self._k, engine.runner
+        assert f is not None and self.shape is not None
+        shape, runner = self.shape, engine.runner
         keep = [i for i, s in enumerate(f.seqs) if not s.is_finished]
         seqs = [f.seqs[i] for i in keep]
         dev = runner.device
         rows = host_to_device(keep, torch.long, dev)
         table = f.table if len(keep) == len(f.seqs) else f.table.index_select(0, rows)
-        shape = row_shape(list(range(-1, k - 1)))
-        segs = [Segment([0] * (k + 1), [s.num_computed + x for x in shape.offsets],
-                        [-1] * (k + 1), s.num_computed, s.block_table, mask=shape.mask,
-                        logits_rows=shape.logits_rows) for s in seqs]
+        rs = row_shape(shape.parents)
+        m = shape.rows
+        segs = [Segment([0] * m, [s.num_computed + x for x in rs.offsets], [-1] * m,
+                        s.num_computed, s.block_table, mask=rs.mask,
+                        logits_rows=rs.logits_rows) for s in seqs]
         contexts = [s.num_computed for s in seqs]  # before `f`'s emitted tokens
         if runner.graphs is not None:
-            fixed: list[torch.Tensor] = []
+            fixed: list[tuple[torch.Tensor, torch.Tensor]] = []
 
             def fix(d64, d32, lay):
-                fixed.append(chain_inputs(d64, d32, lay, runner.block_size, len(segs), k, f,
-                                          rows, table))
+                fixed.append(chain_inputs(d64, d32, lay, runner.block_size, len(segs), shape,
+                                          f, rows, table))
 
             out = runner.execute(segs, fixup=fix)
-            ids = fixed[0]
+            ids, slots = fixed[0]
         else:  # the CPU: the "device" is the host, and the step is built from its lists
-            ids, segs = self._host_segments(engine, f, keep, segs, table)
+            ids, slots, segs = self._host_segments(engine, f, keep, segs, table)
             out = runner.execute(segs)
-        self._keep(engine, seqs, contexts, table, out.logits, ids)
+        self._keep(engine, seqs, contexts, table, out.logits, ids, slots)
         self.chained_steps += 1
-        outputs = self._read_back(engine, f, in_flight=k + 1)
+        outputs = self._read_back(engine, f, in_flight=m)
         # The new step's contexts gain what `f` emitted: read back just now.
         self.in_flight.contexts = [s.num_computed if not s.is_finished else c
                                    for s, c in zip(seqs, contexts)]
@@ -219,24 +296,25 @@ class SpecPipeline:
             self.in_flight = None  # nothing left to read: its work is dropped
         return outputs
 
-    @staticmethod
-    def _host_segments(engine: LLMEngine, f: InFlight, keep: list[int], segs: list[Segment],
-                       table: torch.Tensor) -> tuple[torch.Tensor, list[Segment]]:
+    def _host_segments(self, engine: LLMEngine, f: InFlight, keep: list[int],
+                       segs: list[Segment], table: torch.Tensor):
         """`chain_inputs` done on host lists (for a runner without graphs, on the CPU)."""
-        bm = engine.blocks
+        bm, shape = engine.blocks, self.shape
         num = f.num.tolist()
         emitted = f.emitted.tolist()
         out = []
-        for i, g in zip(keep, segs):
+        for j, (i, g) in enumerate(zip(keep, segs)):
             add = num[i]
             c = g.context_len + add
-            m = len(g.tokens)
-            toks = [emitted[i][add - 1]] + table[len(out), c + 1:c + m].tolist()
-            seq = f.seqs[i]
-            out.append(Segment(toks, [p + add for p in g.positions], bm.slots(seq, c, m), c,
-                               g.block_table, mask=g.mask, logits_rows=g.logits_rows))
-        ids = torch.tensor([g.tokens for g in out], dtype=torch.long, device=table.device)
-        return ids, out
+            pos = [p + add for p in g.positions]
+            toks = [emitted[i][add - 1]] + [int(table[j, p, col])
+                                            for p, col in zip(pos[1:], shape.column)]
+            out.append(Segment(toks, pos, bm.slots(f.seqs[i], c, len(toks)), c, g.block_table,
+                               mask=g.mask, logits_rows=g.logits_rows))
+        dev = table.device
+        ids = torch.tensor([g.tokens for g in out], dtype=torch.long, device=dev)
+        slots = torch.tensor([g.slots for g in out], dtype=torch.long, device=dev)
+        return ids, slots, out
 
     def drain(self, engine: LLMEngine) -> list[RequestOutput]:
         """Read back the step in flight, launching nothing after it."""
@@ -245,16 +323,17 @@ class SpecPipeline:
 
     def _read_back(self, engine: LLMEngine, f: InFlight, in_flight: int) -> list[RequestOutput]:
         flat = f.host.tolist()  # the step's one host synchronisation
-        n, m = len(f.seqs), self._k + 1
-        nums = flat[n * m:]
+        shape = self.shape
+        n, w = len(f.seqs), shape.k + 1
+        nums = flat[n * w:]
         now = time.monotonic()
         outputs = []
         for i, (seq, ctx) in enumerate(zip(f.seqs, f.contexts)):
             if seq.is_finished:
                 continue  # stopped at the step before: this step ran past its end
-            new = flat[i * m:i * m + nums[i]]
+            new = flat[i * w:i * w + nums[i]]
             engine.blocks.commit(seq, ctx + nums[i], in_flight)
             if seq.request_id in engine._spec:
-                _record(engine, seq, self._k, nums[i] - 1, nums[i], self._k)
+                _record(engine, seq, shape.rows - 1, nums[i] - 1, nums[i], shape.k)
             outputs.append(engine._output(*settle_tokens(engine, seq, new, None, now)))
         return outputs

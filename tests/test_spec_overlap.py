@@ -20,7 +20,7 @@ from drafters.tree import row_shape
 from specdec import LLM, SamplingParams
 from specdec.graph_inputs import Layout, pack_step
 from specdec.model_runner import Segment
-from specdec.spec_overlap import InFlight, accept_chains, chain_inputs
+from specdec.spec_overlap import InFlight, TreeShape, accept_greedy, chain_inputs
 
 PROMPTS = PROMPTS[:4]
 
@@ -44,15 +44,17 @@ def plain(tiny_llama):
     return outs
 
 
-def spec_params(rate: float, k: int = 3, **kw) -> SamplingParams:
+def spec_params(rate: float, k: int = 3, branches: int = 1, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, ignore_eos=True, speculative={
-        "method": "replay", "num_speculative_tokens": k, "corrupt_rate": rate}, **kw)
+        "method": "replay", "num_speculative_tokens": k, "corrupt_rate": rate,
+        "branches": branches}, **kw)
 
 
+@pytest.mark.parametrize("branches", [1, 3])
 @pytest.mark.parametrize("rate", [0.0, 0.4, 1.0])
-def test_overlapped_chains_equal_plain(tiny_llama, plain, rate):
+def test_overlapped_steps_equal_plain(tiny_llama, plain, rate, branches):
     lm = llm(tiny_llama, True)
-    outs = lm.generate(PROMPTS, spec_params(rate, max_tokens=48))
+    outs = lm.generate(PROMPTS, spec_params(rate, branches=branches, max_tokens=48))
     assert summary(outs) == summary(plain)
     eng = lm.engine
     assert eng.spec_pipeline.chained_steps >= 8
@@ -64,17 +66,25 @@ def test_overlapped_chains_equal_plain(tiny_llama, plain, rate):
         assert spec.accepted_tokens == 0
 
 
-def test_tau_of_overlapped_chains_follows_the_rate(tiny_llama, plain):
-    """The position table corrupts each position once, in advance: tau is the same in
+def test_tau_of_overlapped_steps_follows_the_rate(tiny_llama, plain):
+    """The position table draws each position once, in advance: tau is the same in
     distribution as with draws at each step (drafters/replay.py)."""
     k, rate = 4, 0.3
-    lm = llm(tiny_llama, True)
     prompts = PROMPTS * 6
-    outs = lm.generate(prompts, spec_params(rate, k=k, max_tokens=48))
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain] * 6
-    s = lm.engine.spec_totals["replay"]
-    tau = s.emitted_tokens / s.steps
-    assert abs(tau - replay.expected_tau(rate, k)) < 0.45, tau
+    taus = {}
+    for branches in (1, 2):
+        for overlap in (True, False):
+            lm = llm(tiny_llama, overlap)
+            outs = lm.generate(prompts, spec_params(rate, k=k, branches=branches,
+                                                    max_tokens=48))
+            assert [o.token_ids for o in outs] == [o.token_ids for o in plain] * 6
+            assert (lm.engine.spec_pipeline.chained_steps > 0) == overlap
+            s = lm.engine.spec_totals["replay"]
+            taus[branches, overlap] = s.emitted_tokens / s.steps
+    assert abs(taus[1, True] - replay.expected_tau(rate, k)) < 0.45, taus
+    for branches in (1, 2):  # the same tau drafted at each step on the host
+        assert abs(taus[branches, True] - taus[branches, False]) < 0.45, taus
+    assert taus[2, True] > taus[1, True] + 0.2, taus  # second guesses add to it
 
 
 def test_stops_lengths_and_arrivals(tiny_llama, plain):
@@ -109,11 +119,11 @@ def test_stops_lengths_and_arrivals(tiny_llama, plain):
     assert eng.blocks.num_used == 0 and all(r == 0 for r in eng.blocks.ref_counts)
 
 
-def test_not_taken_for_sampling_or_trees(tiny_llama, plain):
+def test_not_taken_for_sampling_or_host_drafters(tiny_llama, plain):
     lm = llm(tiny_llama, True)
-    tree = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative={
-        "method": "replay", "num_speculative_tokens": 3, "branches": 2})
-    outs = lm.generate(PROMPTS, tree)
+    ngram = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative={
+        "method": "ngram", "num_speculative_tokens": 3})
+    outs = lm.generate(PROMPTS, ngram)
     assert [o.token_ids for o in outs] == [o.token_ids[:20] for o in plain]
     sampled = SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True,
                              speculative={"method": "replay", "num_speculative_tokens": 3})
@@ -121,38 +131,50 @@ def test_not_taken_for_sampling_or_trees(tiny_llama, plain):
     assert lm.engine.spec_pipeline.chained_steps == 0
 
 
-def test_accept_chains():
-    # Two chains of k = 3: the first accepts two drafts, the second none.
+def test_accept_greedy():
     v = 10
+    # Two chains of k = 3: the first accepts two drafts, the second none.
     ids = torch.tensor([[1, 4, 5, 6], [2, 7, 7, 7]])
     am = torch.tensor([[4, 5, 9, 3], [8, 7, 7, 7]])
     logits = torch.nn.functional.one_hot(am.flatten(), v).float()
-    got, num = accept_chains(logits, ids)
-    assert got.tolist() == am.tolist() and num.tolist() == [3, 1]
+    got, num, nodes = accept_greedy(logits, ids, TreeShape([-1, 0, 1]))
+    assert num.tolist() == [3, 1] and nodes.tolist() == [[0, 1, -1], [-1, -1, -1]]
+    assert got[0, :3].tolist() == [4, 5, 9] and got[1, 0] == 8
+    # Trees of two levels of two (the chain node first): node 1, the root's second child, is
+    # accepted, and it has no children (a leaf); then node 0, then its child 3.
+    shape = TreeShape([-1, -1, 0, 0])
+    ids = torch.tensor([[1, 4, 5, 6, 7], [1, 4, 5, 6, 7]])
+    am = torch.tensor([[5, 0, 0, 0, 0], [4, 7, 0, 0, 2]])
+    logits = torch.nn.functional.one_hot(am.flatten(), v).float()
+    got, num, nodes = accept_greedy(logits, ids, shape)
+    assert nodes.tolist() == [[1, -1], [0, 3]] and num.tolist() == [2, 3]
+    assert got[0, :2].tolist() == [5, 0] and got[1].tolist() == [4, 7, 2]
 
 
-@pytest.mark.parametrize("q", [4, 8])
-def test_chain_inputs_match_the_host_packing(q):
+@pytest.mark.parametrize("q,parents", [(4, [-1, 0, 1]), (8, [-1, 0, 1]),
+                                       (8, [-1, -1, 0, 0, 2, 2])])
+def test_chain_inputs_match_the_host_packing(q, parents):
     """Staged from stale contexts, then moved on by the emitted counts on the "device": the
     buffers equal pack_step's of the segments the host would build after reading back."""
     g = torch.Generator().manual_seed(0)
-    bs, k, n, b, w = 4, 3, 3, 4, 8
-    m = k + 1
+    shape = TreeShape(parents)
+    bs, n, b, w = 4, 3, 4, 8
+    m, k = shape.rows, shape.k
     lay = Layout(b, q, w)
     tables = [torch.randperm(64, generator=g)[:w].tolist() for _ in range(n)]
     ctx = [5, 11, 2]
-    table = torch.randint(0, 100, (n, 64), generator=g)
-    emitted = torch.randint(0, 100, (n + 1, m), generator=g)
-    num = torch.tensor([2, 4, 1, 3])
+    table = torch.randint(0, 100, (n, 64, shape.width), generator=g)
+    emitted = torch.randint(0, 100, (n + 1, k + 1), generator=g)
+    num = torch.tensor([2, 3, 1, 3])
     rows = torch.tensor([0, 1, 3])  # the in-flight step's row 2 finished
     prev = InFlight([], [], table, emitted, num, None)
-    shape = row_shape(list(range(-1, k - 1)))
+    rs = row_shape(parents)
 
     def segs(contexts, tokens, staged):
-        return [Segment(t, [c + x for x in shape.offsets],
+        return [Segment(t, [c + x for x in rs.offsets],
                         [-1] * m if staged else
                         [tab[p // bs] * bs + p % bs for p in range(c, c + m)],
-                        c, tab, mask=shape.mask, logits_rows=shape.logits_rows)
+                        c, tab, mask=rs.mask, logits_rows=rs.logits_rows)
                 for c, t, tab in zip(contexts, tokens, tables)]
 
     def packed(segments):
@@ -162,10 +184,12 @@ def test_chain_inputs_match_the_host_packing(q):
         return torch.from_numpy(h64), torch.from_numpy(h32)
 
     d64, d32 = packed(segs(ctx, [[0] * m] * n, True))
-    ids = chain_inputs(d64, d32, lay, bs, n, k, prev, rows, table)
+    ids, slots = chain_inputs(d64, d32, lay, bs, n, shape, prev, rows, table)
     new_ctx = [c + int(num[r]) for c, r in zip(ctx, rows.tolist())]
-    want_tokens = [[int(emitted[r, num[r] - 1])] + table[i, c + 1:c + m].tolist()
-                   for i, (c, r) in enumerate(zip(new_ctx, rows.tolist()))]
-    w64, w32 = packed(segs(new_ctx, want_tokens, False))
-    assert ids.tolist() == want_tokens
+    want_tokens = [[int(emitted[r, num[r] - 1])] + [
+        int(table[i, c + rs.offsets[1 + j], shape.column[j]]) for j in range(m - 1)]
+        for i, (c, r) in enumerate(zip(new_ctx, rows.tolist()))]
+    want = segs(new_ctx, want_tokens, False)
+    w64, w32 = packed(want)
+    assert ids.tolist() == want_tokens and slots.tolist() == [x.slots for x in want]
     assert torch.equal(d64, w64) and torch.equal(d32, w32)
