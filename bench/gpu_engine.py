@@ -178,19 +178,21 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
             run_requests(engine, prompts, {**base, "corrupt_rate": replay.rate_for_tau(
                 taus[0], k)}, max_tokens, f"warm{batch}{shape}")
             # Chains run twice: drafted on the device with each step launched before the last
-            # one's verdict is read back (specdec/spec_overlap.py), then drafted on the host
-            # between steps, as a host drafter (n-gram) is ("_host" cells).
+            # one's verdict is read back (specdec/spec_overlap.py, experimental, turned on here
+            # for these cells), then drafted on the host between steps, as a host drafter
+            # (n-gram) is and as the engine does by default ("_host" cells). Trees run on the
+            # device path.
             modes = ((shape, True), (f"{shape}_host", False)) if branches == 1 else (
                 (shape, True),)
             for (name, piped), tau in ((m, t) for m in modes for t in taus):
                 rate = replay.rate_for_tau(tau, k)
-                engine.spec_pipeline.enabled = piped
+                engine.spec_pipeline.enabled = piped and engine.pipeline.enabled
                 chained = engine.spec_pipeline.chained_steps
                 try:
                     run = run_requests(engine, prompts, {**base, "corrupt_rate": rate},
                                        max_tokens, f"s{batch}{name}{tau}")
                 finally:
-                    engine.spec_pipeline.enabled = engine.pipeline.enabled
+                    engine.spec_pipeline.enabled = False
                 cell = {"corrupt_rate": rate, "tau_measured": run.tau,
                         "overlapped_steps": engine.spec_pipeline.chained_steps - chained,
                         "output_equals_plain": run.outputs == rec.outputs,
@@ -221,7 +223,7 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
                 log(f"host profile failed: {e!r}")
                 res[f"host_profile_b{batch}"] = {"error": repr(e)}
             finally:
-                engine.spec_pipeline.enabled = engine.pipeline.enabled
+                engine.spec_pipeline.enabled = False
     res["speculative"] = out
 
 

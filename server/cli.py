@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true",
                    help="read every step back before launching the next (by default on CUDA "
                         "the next step is launched first, so the host's work overlaps the GPU's)")
+    p.add_argument("--spec-overlap", action="store_true",
+                   help="experimental: draft on the device and launch each speculative step "
+                        "before the last one is read back (drafters with position tables: "
+                        "replay; specdec/spec_overlap.py)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -77,6 +81,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                           "adaptive_speculation": not args.no_adaptive_speculation}
     if args.no_overlap:
         kw["overlap"] = False
+    if args.spec_overlap:
+        kw["spec_overlap"] = True
     for name in ("dtype", "device", "max_num_seqs", "max_model_len"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

@@ -70,6 +70,10 @@ class SchedulerConfig:
     # chain on device tokens, specdec.overlap). None: on where the device runs asynchronously
     # to the host (CUDA).
     overlap: bool | None = None
+    # Overlapped speculative steps, drafted on the device (specdec/spec_overlap.py), with
+    # overlap on. Off by default: on the H200 the Qwen2.5-7B shape at batch 16 fed an
+    # out-of-vocabulary token to the model in this mode (bench/results/README_spec_overlap.md).
+    spec_overlap: bool = False
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ class LLMEngine:
         overlap = config.scheduler.overlap
         self.pipeline = DecodePipeline(self.runner.device.type == "cuda" if overlap is None
                                        else overlap)
-        self.spec_pipeline = SpecPipeline(self.pipeline.enabled)
+        self.spec_pipeline = SpecPipeline(self.pipeline.enabled
+                                          and config.scheduler.spec_overlap)
         # What exists now lives as long as the engine: kept out of the collector's full
         # passes, whose host stalls outlast a decode step (bench/gpu_decode_attn.py timeline).
         gc.collect()
@@ -90,7 +91,7 @@ class LLMEngine:
                                         "gpu_memory_utilization", "enable_prefix_caching")
                  if k in kw}
         sc_kw = {k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_waiting",
-                                        "overlap") if k in kw}
+                                        "overlap", "spec_overlap") if k in kw}
         backend = kw.pop("attention_backend", "auto")
         adaptive = bool(kw.pop("adaptive_speculation", False))
         seed = kw.pop("seed", 0)

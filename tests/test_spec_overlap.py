@@ -26,8 +26,8 @@ PROMPTS = PROMPTS[:4]
 
 
 def llm(model, overlap: bool, **kw) -> LLM:
-    return LLM(model=str(model), speculative={"method": "none"}, overlap=overlap, block_size=4,
-               **kw)
+    return LLM(model=str(model), speculative={"method": "none"}, overlap=overlap,
+               spec_overlap=overlap, block_size=4, **kw)
 
 
 def summary(outs):
@@ -117,6 +117,13 @@ def test_stops_lengths_and_arrivals(tiny_llama, plain):
     assert done["a1"].token_ids == ref[1].token_ids[:40]
     assert done["a2"].token_ids == ref[2].token_ids[:40]
     assert eng.blocks.num_used == 0 and all(r == 0 for r in eng.blocks.ref_counts)
+
+
+def test_off_unless_asked(tiny_llama, plain):
+    lm = LLM(model=str(tiny_llama), speculative={"method": "none"}, overlap=True, block_size=4)
+    outs = lm.generate(PROMPTS, spec_params(0.2, max_tokens=20))
+    assert [o.token_ids for o in outs] == [o.token_ids[:20] for o in plain]
+    assert lm.engine.spec_pipeline.chained_steps == 0
 
 
 def test_not_taken_for_sampling_or_host_drafters(tiny_llama, plain):
