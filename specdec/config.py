@@ -72,7 +72,7 @@ class SchedulerConfig:
     overlap: bool | None = None
     # Overlapped speculative steps, drafted on the device (specdec/spec_overlap.py), with
     # overlap on. Off by default: on the H200 the Qwen2.5-7B shape at batch 16 fed an
-    # out-of-vocabulary token to the model in this mode (bench/results/README_spec_overlap.md).
+    # out-of-vocabulary token to the model in this mode (README, GPU section).
     spec_overlap: bool = False
 
 
