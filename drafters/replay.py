@@ -83,8 +83,16 @@ class _Cursor:
 class ReplayDrafter(Drafter):
     name = "replay"
 
-    def __init__(self, target_vocab: dict[str, int] | None = None, **_: Any) -> None:
-        self._vocab = max(target_vocab.values()) + 1 if target_vocab else None
+    def __init__(self, target_vocab: dict[str, int] | None = None, target_model: Any = None,
+                 **_: Any) -> None:
+        # Random guesses stay inside both the tokenizer's ids and the model's embedding rows: a
+        # tokenizer may hold ids past the model's vocabulary (the Qwen2.5 shape's benchmark
+        # tokenizer has one), and such a draft would index past the embedding.
+        sizes = [max(target_vocab.values()) + 1] if target_vocab else []
+        embed = getattr(getattr(target_model, "model", None), "embed_tokens", None)
+        if embed is not None:
+            sizes.append(int(embed.weight.shape[0]))
+        self._vocab = min(sizes) if sizes else None
         self._cursors: dict[str, _Cursor] = {}
         self._tables: dict[str, torch.Tensor] = {}  # per request: its position table
         self.proposed = 0  # nodes proposed

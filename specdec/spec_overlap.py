@@ -29,10 +29,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from drafters import DraftRequest
 from drafters.tree import row_shape
+from specdec.graph_inputs import pack_step
 from specdec.model_runner import Segment
 from specdec.sampler import HostCopy, argmax_rows, device_to_host, host_to_device
 from specdec.step_results import _record, settle_tokens
@@ -225,6 +227,10 @@ class SpecPipeline:
         table = torch.stack(rows)  # [n, L, W]
         if table.shape[2] < shape.width:
             raise ValueError("a position table is narrower than the tree it drafts")
+        # Checked once, when the pipeline starts (the host path checks each step's drafts):
+        # an id past the vocabulary would index past the embedding on the device.
+        if not 0 <= int(table.min()) <= int(table.max()) < engine.runner.vocab_size:
+            raise ValueError("a position table holds a token outside the vocabulary")
         return table
 
     def _keep(self, engine: LLMEngine, seqs: list[Sequence], contexts: list[int],
@@ -298,22 +304,24 @@ class SpecPipeline:
 
     def _host_segments(self, engine: LLMEngine, f: InFlight, keep: list[int],
                        segs: list[Segment], table: torch.Tensor):
-        """`chain_inputs` done on host lists (for a runner without graphs, on the CPU)."""
-        bm, shape = engine.blocks, self.shape
-        num = f.num.tolist()
-        emitted = f.emitted.tolist()
-        out = []
-        for j, (i, g) in enumerate(zip(keep, segs)):
-            add = num[i]
-            c = g.context_len + add
-            pos = [p + add for p in g.positions]
-            toks = [emitted[i][add - 1]] + [int(table[j, p, col])
-                                            for p, col in zip(pos[1:], shape.column)]
-            out.append(Segment(toks, pos, bm.slots(f.seqs[i], c, len(toks)), c, g.block_table,
-                               mask=g.mask, logits_rows=g.logits_rows))
-        dev = table.device
-        ids = torch.tensor([g.tokens for g in out], dtype=torch.long, device=dev)
-        slots = torch.tensor([g.slots for g in out], dtype=torch.long, device=dev)
+        """For a runner without graphs (the CPU): the step staged in a graph bucket's layout and
+        moved on by `chain_inputs`, as on the GPU, then read out as segments."""
+        from specdec.graph_inputs import BATCH_SIZES, TOKENS_PER_SEQ, Layout
+
+        shape, n, m = self.shape, len(segs), self.shape.rows
+        width = max(len(g.block_table) for g in segs)
+        lay = Layout(next((x for x in BATCH_SIZES if x >= n), n),
+                     next((x for x in TOKENS_PER_SEQ if x >= m), m), width)
+        h64, h32 = np.zeros(lay.n64, np.int64), np.zeros(lay.n32, np.int32)
+        pack_step(segs, lay, h64, h32, np.zeros(max(1, lay.nmask), bool))
+        d64, d32 = torch.from_numpy(h64), torch.from_numpy(h32)
+        rows = torch.tensor(keep, dtype=torch.long)
+        ids, slots = chain_inputs(d64, d32, lay, engine.blocks.block_size, n, shape, f, rows,
+                                  table)
+        pos = d64[lay.tokens:2 * lay.tokens].view(lay.batch, lay.q)[:n, :m].tolist()
+        ctx = d32[lay.batch + 1:lay.batch + 1 + n].tolist()
+        out = [Segment(t, p, sl, c, g.block_table, mask=g.mask, logits_rows=g.logits_rows)
+               for t, p, sl, c, g in zip(ids.tolist(), pos, slots.tolist(), ctx, segs)]
         return ids, slots, out
 
     def drain(self, engine: LLMEngine) -> list[RequestOutput]:

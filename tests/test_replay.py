@@ -118,3 +118,24 @@ def test_host_profile_times_the_phases_and_restores_the_engine(engine, plain, tm
     assert (tmp_path / "profile.txt").read_text()
     outs, specs = _generate(engine, spec, "after-profile")
     assert outs == plain and all(s is not None for s in specs)
+
+
+def test_guesses_stay_inside_the_model_vocabulary():
+    """A tokenizer may hold ids past the model's embedding rows (the Qwen2.5 benchmark shape's
+    has one): random guesses, on the host and in position tables, stay below both."""
+    from types import SimpleNamespace
+
+    import torch
+
+    model = SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(
+        weight=torch.empty(50, 1))))
+    d = replay.ReplayDrafter(target_vocab={f"t{i}": i for i in range(51)}, target_model=model)
+    opts = {"corrupt_rate": 1.0, "branches": 3}
+    req = DraftRequest(request_id="v", tokens=[1, 2, 3], max_nodes=24, k=8, options=opts)
+    seen = set()
+    for _ in range(200):
+        toks, _ = d._one(req)
+        seen.update(toks)
+    table = d.position_table(req, 400, torch.device("cpu"))
+    seen.update(table.flatten().tolist())
+    assert max(seen) == 49 and min(seen) >= 0
