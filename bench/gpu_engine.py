@@ -148,6 +148,7 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
 
     g = torch.Generator().manual_seed(1)
     vocab = engine.runner.vocab_size
+    default_spec_overlap = engine.spec_pipeline.enabled
     out = {}
     for batch in batches:
         low = min(100, vocab // 2)
@@ -178,10 +179,9 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
             run_requests(engine, prompts, {**base, "corrupt_rate": replay.rate_for_tau(
                 taus[0], k)}, max_tokens, f"warm{batch}{shape}")
             # Chains run twice: drafted on the device with each step launched before the last
-            # one's verdict is read back (specdec/spec_overlap.py, experimental, turned on here
-            # for these cells), then drafted on the host between steps, as a host drafter
-            # (n-gram) is and as the engine does by default ("_host" cells). Trees run on the
-            # device path.
+            # one's verdict is read back (specdec/spec_overlap.py, the engine's default with
+            # overlap on), then drafted on the host between steps, as a host drafter (n-gram)
+            # is ("_host" cells).
             modes = ((shape, True), (f"{shape}_host", False)) if branches == 1 else (
                 (shape, True),)
             for (name, piped), tau in ((m, t) for m in modes for t in taus):
@@ -192,7 +192,7 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
                     run = run_requests(engine, prompts, {**base, "corrupt_rate": rate},
                                        max_tokens, f"s{batch}{name}{tau}")
                 finally:
-                    engine.spec_pipeline.enabled = False
+                    engine.spec_pipeline.enabled = default_spec_overlap
                 cell = {"corrupt_rate": rate, "tau_measured": run.tau,
                         "overlapped_steps": engine.spec_pipeline.chained_steps - chained,
                         "output_equals_plain": run.outputs == rec.outputs,
@@ -223,7 +223,7 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
                 log(f"host profile failed: {e!r}")
                 res[f"host_profile_b{batch}"] = {"error": repr(e)}
             finally:
-                engine.spec_pipeline.enabled = False
+                engine.spec_pipeline.enabled = default_spec_overlap
     res["speculative"] = out
 
 

@@ -45,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true",
                    help="read every step back before launching the next (by default on CUDA "
                         "the next step is launched first, so the host's work overlaps the GPU's)")
-    p.add_argument("--spec-overlap", action="store_true",
-                   help="experimental: draft on the device and launch each speculative step "
-                        "before the last one is read back (drafters with position tables: "
-                        "replay; specdec/spec_overlap.py)")
+    p.add_argument("--no-spec-overlap", action="store_true",
+                   help="draft every speculative step on the host between steps (by default, "
+                        "with overlap, drafters with position tables, the replay drafter, draft "
+                        "on the device and each step is launched before the last is read back)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -81,8 +81,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                           "adaptive_speculation": not args.no_adaptive_speculation}
     if args.no_overlap:
         kw["overlap"] = False
-    if args.spec_overlap:
-        kw["spec_overlap"] = True
+    if args.no_spec_overlap:
+        kw["spec_overlap"] = False
     for name in ("dtype", "device", "max_num_seqs", "max_model_len"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

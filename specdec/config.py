@@ -70,10 +70,9 @@ class SchedulerConfig:
     # chain on device tokens, specdec.overlap). None: on where the device runs asynchronously
     # to the host (CUDA).
     overlap: bool | None = None
-    # Overlapped speculative steps, drafted on the device (specdec/spec_overlap.py), with
-    # overlap on. Off by default: on the H200 the Qwen2.5-7B shape at batch 16 fed an
-    # out-of-vocabulary token to the model in this mode (README, GPU section).
-    spec_overlap: bool = False
+    # Overlapped speculative steps, drafted on the device (specdec/spec_overlap.py), for
+    # drafters with position tables (replay). None: wherever overlap is on.
+    spec_overlap: bool | None = None
 
 
 @dataclass(frozen=True)

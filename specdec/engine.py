@@ -76,7 +76,7 @@ class LLMEngine:
         self.pipeline = DecodePipeline(self.runner.device.type == "cuda" if overlap is None
                                        else overlap)
         self.spec_pipeline = SpecPipeline(self.pipeline.enabled
-                                          and config.scheduler.spec_overlap)
+                                          and config.scheduler.spec_overlap is not False)
         # What exists now lives as long as the engine: kept out of the collector's full
         # passes, whose host stalls outlast a decode step (bench/gpu_decode_attn.py timeline).
         gc.collect()

@@ -26,8 +26,9 @@ PROMPTS = PROMPTS[:4]
 
 
 def llm(model, overlap: bool, **kw) -> LLM:
-    return LLM(model=str(model), speculative={"method": "none"}, overlap=overlap,
-               spec_overlap=overlap, block_size=4, **kw)
+    # spec_overlap follows overlap by default
+    return LLM(model=str(model), speculative={"method": "none"}, overlap=overlap, block_size=4,
+               **kw)
 
 
 def summary(outs):
@@ -119,8 +120,9 @@ def test_stops_lengths_and_arrivals(tiny_llama, plain):
     assert eng.blocks.num_used == 0 and all(r == 0 for r in eng.blocks.ref_counts)
 
 
-def test_off_unless_asked(tiny_llama, plain):
-    lm = LLM(model=str(tiny_llama), speculative={"method": "none"}, overlap=True, block_size=4)
+def test_off_when_asked(tiny_llama, plain):
+    lm = LLM(model=str(tiny_llama), speculative={"method": "none"}, overlap=True,
+             spec_overlap=False, block_size=4)
     outs = lm.generate(PROMPTS, spec_params(0.2, max_tokens=20))
     assert [o.token_ids for o in outs] == [o.token_ids[:20] for o in plain]
     assert lm.engine.spec_pipeline.chained_steps == 0
