@@ -61,14 +61,15 @@ class Drafter(ABC):
         return k
 
     def has_position_table(self, options: dict[str, Any]) -> bool:
-        """Whether, with these settings, the drafter's chains depend on positions alone
+        """Whether, with these settings, the drafter's trees depend on positions alone
         (`position_table`), so steps can be drafted on the device (specdec/spec_overlap.py)."""
         return False
 
     def position_table(self, request: DraftRequest, length: int,
                        device: torch.device) -> torch.Tensor:
-        """[length] int64 on `device`: entry p is the token this drafter proposes at position p
-        of the request, whatever the step. Only where `has_position_table` says so."""
+        """[length] or [length, W] int64 on `device`: entry [p, j] is the token this drafter
+        proposes at position p for a node that is its parent's child j (in sibling order),
+        whatever the step; siblings must differ. Only where `has_position_table` says so."""
         raise NotImplementedError(f"drafter {self.name!r} has no position table")
 
 

@@ -11,16 +11,19 @@ block tables. Step n's tokens come back while step n + 1 computes, and the host'
 (KV commits, stop checks, detokenizing, outputs) hides behind the device's work, as plain
 decoding's does (specdec/overlap.py).
 
-Which steps: greedy chains of one depth k for every sequence, all from drafters with a position
-table, no penalties or logprobs, no hidden-state capture, no adaptive depth, through a CUDA graph
-bucket (the staged inputs are fixed on the device in place). Blocks for two steps ahead are
-reserved before each launch. A sequence that stops at step n has its step n + 1 work dropped; the
-next launch leaves it out (its rows are gathered away), so the pipeline runs on as the batch
-shrinks. A new, aborted or preempted request drains it, and the engine steps normally.
+Which steps: greedy draft trees of one shape for every sequence (chains included), all from
+drafters with a position table, no penalties or logprobs, no hidden-state capture, no adaptive
+depth, through a CUDA graph bucket (the staged inputs are fixed on the device in place; on the
+CPU the same staging and fix run, and the step runs eagerly from them). Blocks for two steps
+ahead are reserved before each launch. A sequence that stops at step n has its step n + 1 work
+dropped; the next launch leaves it out (its rows are gathered away), so the pipeline runs on as
+the batch shrinks. A new, aborted or preempted request drains it, and the engine steps normally.
 
-Greedy acceptance on the device is the host's (specdec.verifier.verify_greedy_lists): a draft
-is accepted while it equals the argmax of the row before it; the argmax after the last accepted
-row is the bonus token. Output is token for token the output of plain greedy decoding.
+Greedy acceptance on the device is the host's (specdec.verifier.verify_greedy_lists): a node is
+accepted when it equals the argmax of its parent's row and its parent is accepted; the argmax
+after the last accepted node is the bonus token. The accepted path's KV then moves to
+consecutive slots on the device (`ModelRunner.move_kv_device`), as `finish_step` does from host
+lists. Output is token for token the output of plain greedy decoding.
 """
 
 from __future__ import annotations
