@@ -143,3 +143,22 @@ def test_sequence_tokens_follow_the_output():
     assert seq.tokens == [4, 5, 7, 8, 9]
     seq.output_token_ids = [6]
     assert seq.tokens == [4, 5, 6] and seq.num_tokens == 3
+
+
+def test_blocks_filled_by_accepted_drafts_are_cached_under_their_tokens():
+    """A verification step commits its accepted drafts' KV before they join the sequence's
+    tokens (step_results.finish_step): a block they fill is hashed once its tokens are there,
+    so a later prompt that repeats the output hits it."""
+    bm = BlockManager(16, 4)
+    s = seq("a", list(range(6)))
+    bm.allocate_prefix(s)
+    bm.reserve(s, 6)
+    bm.commit(s, 6)
+    s.output_token_ids.append(50)  # the first sampled token: the next step's root (index 6)
+    bm.reserve(s, 1 + 7)
+    bm.commit(s, 6 + 1 + 3)  # the root and three drafts: KV up to index 9, tokens up to 6
+    s.output_token_ids += [51, 52, 53, 54]  # the accepted drafts and the bonus token
+    bm.reserve(s, 1)
+    bm.commit(s, 11)  # the bonus token's KV (the next step's root)
+    later = seq("b", s.tokens + [99])
+    assert bm.allocate_prefix(later) == 8  # blocks [0..3] and [4, 5, 50, 51]

@@ -139,3 +139,32 @@ def test_guesses_stay_inside_the_model_vocabulary():
     table = d.position_table(req, 400, torch.device("cpu"))
     seen.update(table.flatten().tolist())
     assert max(seen) == 49 and min(seen) >= 0
+
+
+def test_speculated_output_is_prefix_cached(tiny_llama, engine, plain):
+    """A follow-up whose prompt repeats a speculated answer reuses its KV blocks, those the
+    accepted drafts filled included (block_manager._register_full_blocks)."""
+    prompt = [33, 34, 35, 36, 37, 38, 39]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    other = LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"}, seed=0)
+    other.add_request("p", prompt, greedy)
+    want = None
+    while other.has_unfinished():
+        want = next((o for o in other.step() if o.finished), want)
+    replay.record(prompt, want.token_ids)  # this engine has never run the prompt plainly
+
+    def run(rid, tokens, params):
+        engine.add_request(rid, tokens, params)
+        done = None
+        while engine.has_unfinished():
+            done = next((o for o in engine.step() if o.finished), done)
+        return done
+
+    spec = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, speculative={
+        "method": "replay", "num_speculative_tokens": 4, "corrupt_rate": 0.0})
+    out = run("cache-spec", prompt, spec)
+    assert out.token_ids == want.token_ids and out.spec.accepted_tokens > 0
+    follow = prompt + out.token_ids + [7]
+    done = run("cache-follow", follow, SamplingParams(temperature=0.0, max_tokens=1))
+    bs = engine.blocks.block_size
+    assert done.num_cached_tokens == (len(follow) - 1) // bs * bs > 0
