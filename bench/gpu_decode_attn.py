@@ -118,7 +118,7 @@ def kernels(out: dict) -> None:
 
 def engine_ab(out: dict, bw: float, name: str = "llama-3.1-8b-shape",
               timeline_only: bool = False) -> None:
-    from gpu_engine import run_requests
+    from gpu_speculative import run_requests
 
     tmp = Path(tempfile.mkdtemp())
     engine = gs.build_engine(gs.make_model_dir(tmp, name), "triton", num_blocks=2600)

@@ -193,14 +193,12 @@ class LLMEngine:
         read back by the next call, after that call has launched its own pass: the host's
         bookkeeping of step n (then its detokenizing) runs while step n + 1 computes."""
         outputs, self._carried = self._carried, []
-        if self.pipeline.in_flight is not None:  # see specdec/overlap.py
-            if self.pipeline.can_chain(self):
-                return outputs + self.pipeline.chain(self)
-            outputs += self.pipeline.drain(self)
-        if self.spec_pipeline.in_flight is not None:  # see specdec/spec_overlap.py
-            if self.spec_pipeline.can_chain(self):
-                return outputs + self.spec_pipeline.chain(self)
-            outputs += self.spec_pipeline.drain(self)
+        # specdec/overlap.py (plain decodes), specdec/spec_overlap.py (speculative steps)
+        for pipe in (self.pipeline, self.spec_pipeline):
+            if pipe.in_flight is not None:
+                if pipe.can_chain(self):
+                    return outputs + pipe.chain(self)
+                outputs += pipe.drain(self)
         settled = self._read_back()
         aborted: list[Sequence] = []
         try:

@@ -40,7 +40,7 @@ from drafters.tree import row_shape
 from specdec.graph_inputs import pack_step
 from specdec.model_runner import Segment
 from specdec.sampler import HostCopy, argmax_rows, device_to_host, host_to_device
-from specdec.step_results import _record, settle_tokens
+from specdec.step_results import _record, settle
 
 if TYPE_CHECKING:
     from specdec.engine import LLMEngine
@@ -346,5 +346,5 @@ class SpecPipeline:
             engine.blocks.commit(seq, ctx + nums[i], in_flight)
             if seq.request_id in engine._spec:
                 _record(engine, seq, shape.rows - 1, nums[i] - 1, nums[i], shape.k)
-            outputs.append(engine._output(*settle_tokens(engine, seq, new, None, now)))
+            outputs.append(settle(engine, seq, new, None, now))
         return outputs
