@@ -41,6 +41,9 @@ export PYTHONUNBUFFERED=1
     # tests check replays against the eager path, and the benchmarks exercise the tuning.
     SPECDEC_SKINNY_TUNE=0 SPECDEC_TUNE_GRAPHS=0 timeout 200 python3 -m pytest -q -x \
       -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tail -5
+    # Overlapped speculative steps on the device (the module's other tests are the CPU path).
+    SPECDEC_SKINNY_TUNE=0 SPECDEC_TUNE_GRAPHS=0 timeout 200 python3 -m pytest -q -x \
+      -p no:cacheprovider tests/test_spec_overlap.py -k cuda 2>&1 | tail -5
     timeout 180 python3 bench/gpu_step_profile.py --skip-linear --out "$out"
   fi
   if [ "$part" = engine ] || [ "$part" = all ]; then

@@ -140,6 +140,33 @@ def test_not_taken_for_sampling_or_host_drafters(tiny_llama, plain):
     assert lm.engine.spec_pipeline.chained_steps == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="overlapped steps on a GPU")
+@pytest.mark.parametrize("branches", [1, 2])
+def test_overlapped_steps_on_cuda_equal_plain(tiny_llama, plain, branches):
+    """The device path itself: graph replays with their inputs moved on in place, acceptance
+    and KV compaction on the device, the host reading step n back while step n+1 runs."""
+    def cuda_llm() -> LLM:
+        return LLM(model=str(tiny_llama), speculative={"method": "none"}, device="cuda",
+                   num_blocks=256)
+
+    plain_outs = cuda_llm().generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48,
+                                                             ignore_eos=True))
+    try:
+        replay.clear_recorded()  # the script of this device's plain run
+        for p, o in zip(PROMPTS, plain_outs):
+            replay.record(p, o.token_ids)
+        lm = cuda_llm()
+        assert lm.engine.runner.graphs is not None and lm.engine.spec_pipeline.enabled
+        outs = lm.generate(PROMPTS, spec_params(0.4, branches=branches, max_tokens=48))
+        assert summary(outs) == summary(plain_outs)
+        assert lm.engine.spec_pipeline.chained_steps >= 8
+        assert lm.engine.spec_pipeline.in_flight is None and lm.engine.blocks.num_used == 0
+    finally:  # the CPU script back, for the module's other tests
+        replay.clear_recorded()
+        for p, o in zip(PROMPTS, plain):
+            replay.record(p, o.token_ids)
+
+
 def test_accept_greedy():
     v = 10
     # Two chains of k = 3: the first accepts two drafts, the second none.
