@@ -2,8 +2,12 @@
 
 Attention: the Triton paged kernel (block tables over shuffled blocks) against
 `F.scaled_dot_product_attention` on contiguous K/V of the same lengths, for decode batches, draft
-trees and prefill chunks. Acceptance: `accept_tree` against the PyTorch `verify_tree`.
-Times are triton.testing.do_bench medians in microseconds.
+trees and prefill chunks. Where the engine's steps take a fused kernel instead (one row per
+sequence: verify_kernels/decode_attention.py; a few rows in a small batch:
+verify_kernels/tree_attention.py), that kernel too, as the engine calls it
+(`TritonAttentionBackend.decode`): it also rotates the step's queries and keys and writes its
+K/V to the cache, work the SDPA baseline leaves out. Acceptance: `accept_tree` against the
+PyTorch `verify_tree`. Times are triton.testing.do_bench medians in microseconds.
 
     python3 bench/kernels_gpu.py --out results.json
 """
@@ -29,10 +33,12 @@ from drafters.tree import DraftTree
 from specdec.attention import AttentionMetadata
 from specdec.verifier import verify_tree
 from verify_kernels import accept_tree, choose_num_splits, paged_attention
+from verify_kernels.backend import TritonAttentionBackend
 
 HQ, HKV, D, BS = 32, 8, 128, 16  # a Llama-3-8B-like layer
 DEV = torch.device("cuda")
 DT = torch.bfloat16
+BACKEND = TritonAttentionBackend()
 
 
 def median_us(fn) -> float:
@@ -129,7 +135,33 @@ def attention_case(name: str, ctxs: list[int], qlens: list[int],
     row["sdpa_graph_us"] = graph_us(best_fn)
     kv_bytes = 2 * sum(c + q for c, q in zip(ctxs, qlens)) * HKV * D * 2
     row["triton_kv_GBps"] = kv_bytes / row["triton_us"] / 1e3
+    if BACKEND.fuses(meta, HQ // HKV):
+        fused = fused_step(q, k_cache, v_cache, meta, ctxs, qlens)
+        row["fused_kernel"] = "decode" if meta.all_decode else "tree"
+        row["fused_us"] = median_us(fused)
+        row["fused_graph_us"] = graph_us(fused)
+        row["fused_graph_speedup_vs_best_sdpa_graph"] = row["sdpa_graph_us"] / row["fused_graph_us"]
     return row
+
+
+def fused_step(q, k_cache, v_cache, meta: AttentionMetadata, ctxs: list[int],
+               qlens: list[int]):
+    """The engine's fused call for the step: rotary on q and the new k, the new K/V written by
+    slot, attention over the cache and the step's own rows."""
+    t = sum(qlens)
+    k = torch.randn(t, HKV, D, device=DEV, dtype=DT)
+    v = torch.randn(t, HKV, D, device=DEV, dtype=DT)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctxs, qlens)]).to(DEV)
+    # Each row's own slot, past its context (the cache's blocks hold them: build() sizes them).
+    pos = positions.view(len(ctxs), -1)  # (the fused kernels take equal rows per sequence)
+    blk = meta.block_tables.long().gather(1, pos // BS)
+    meta.slot_mapping.copy_((blk * BS + pos % BS).flatten())
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEV, dtype=torch.float32) / D))
+    scale = D ** -0.5
+    splits = choose_num_splits(meta, HQ, HKV, DEV)
+    rope = BACKEND.step_rope(meta, positions, inv_freq, 1.0, HQ // HKV)
+    return lambda: BACKEND.decode(q, k, v, positions, inv_freq, 1.0, k_cache, v_cache, meta,
+                                  scale, splits, rope=rope)
 
 
 def acceptance_case(bsz: int, nodes: int, vocab: int, g: torch.Generator) -> dict:
@@ -182,8 +214,9 @@ def main() -> None:
     for bsz in (1, 8, 32):
         for ctx in (1024, 4096, 8192):
             run_case(rows, attention_case, "decode", [ctx] * bsz, [1] * bsz, [None] * bsz, g)
-    for nodes in (8, 16, 32, 64):
-        bsz = 4  # one tree shape for all, so that the dense problem has one mask
+    # (batch, nodes): one tree shape per case, so that the dense problem has one mask; 7 and
+    # 15 nodes (8 and 16 rows with the root) at batch 1 and 4 are the fused tree kernel's.
+    for bsz, nodes in ((1, 7), (1, 15), (4, 7), (4, 15), (4, 8), (4, 16), (4, 32), (4, 64)):
         tree = DraftTree.from_lists([(list(range(nodes)), random_parents(nodes, g))])
         run_case(rows, attention_case, "tree", [2048] * bsz, [nodes + 1] * bsz,
                  [tree.ancestor_mask(0)] * bsz, g)
@@ -204,7 +237,7 @@ def main() -> None:
     args.out.write_text(json.dumps(info, indent=2))
     print(f"{'case':8} {'B':>3} {'q':>5} {'ctx':>5} {'triton_us':>10} {'sdpa_us':>10} "
           f"{'speedup':>8} {'splits':>6} {'nosplit_us':>10} {'GB/s':>7} {'tri_graph':>9} "
-          f"{'sdpa_graph':>10}")
+          f"{'sdpa_graph':>10} {'fused_graph':>11} {'x_sdpa':>6}")
     for r in rows:
         if r["case"] == "error":
             print(f"error    {r['args']}: {r['error'][:300]}")
@@ -219,7 +252,8 @@ def main() -> None:
               f"{r['triton_us']:>10.1f} {sdpa:>10.1f} {r['speedup_vs_best_sdpa']:>8.2f} "
               f"{r['num_splits']:>6} {r.get('triton_nosplit_us', float('nan')):>10.1f} "
               f"{r['triton_kv_GBps']:>7.0f} {r['triton_graph_us']:>9.1f} "
-              f"{r['sdpa_graph_us']:>10.1f}")
+              f"{r['sdpa_graph_us']:>10.1f} {r.get('fused_graph_us', float('nan')):>11.1f} "
+              f"{r.get('fused_graph_speedup_vs_best_sdpa_graph', float('nan')):>6.2f}")
     print(f"wrote {args.out}")
 
 
