@@ -145,9 +145,10 @@ def attention_case(name: str, ctxs: list[int], qlens: list[int],
 
 
 def fused_step(q, k_cache, v_cache, meta: AttentionMetadata, ctxs: list[int],
-               qlens: list[int]):
+               qlens: list[int], num_splits: int | None = None):
     """The engine's fused call for the step: rotary on q and the new k, the new K/V written by
-    slot, attention over the cache and the step's own rows."""
+    slot, attention over the cache and the step's own rows (`num_splits`: None for
+    `choose_num_splits`'s)."""
     t = sum(qlens)
     k = torch.randn(t, HKV, D, device=DEV, dtype=DT)
     v = torch.randn(t, HKV, D, device=DEV, dtype=DT)
@@ -158,7 +159,7 @@ def fused_step(q, k_cache, v_cache, meta: AttentionMetadata, ctxs: list[int],
     meta.slot_mapping.copy_((blk * BS + pos % BS).flatten())
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEV, dtype=torch.float32) / D))
     scale = D ** -0.5
-    splits = choose_num_splits(meta, HQ, HKV, DEV)
+    splits = num_splits or choose_num_splits(meta, HQ, HKV, DEV)
     rope = BACKEND.step_rope(meta, positions, inv_freq, 1.0, HQ // HKV)
     return lambda: BACKEND.decode(q, k, v, positions, inv_freq, 1.0, k_cache, v_cache, meta,
                                   scale, splits, rope=rope)
