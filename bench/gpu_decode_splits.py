@@ -34,6 +34,9 @@ def main() -> None:
     ap.add_argument("--batches", default="8,16,32,64")
     ap.add_argument("--contexts", default="1024,4096,8192")
     ap.add_argument("--splits", default="1,2,3,4,6,8,16")
+    ap.add_argument("--tiles", default="",
+                    help="KV columns per tile x warps to time instead at the given splits, "
+                         "e.g. 32x4,64x4,64x8,128x8 (decode_attention's block_n, num_warps)")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -43,14 +46,22 @@ def main() -> None:
             q = torch.randn(bsz, HQ, D, device=DEV, dtype=DT)
             row = {"batch": bsz, "context": ctx, "fused_graph_us": {}}
             for s in map(int, args.splits.split(",")):
-                row["fused_graph_us"][s] = graph_us(fused_step(q, k_cache, v_cache, meta,
-                                                               [ctx] * bsz, [1] * bsz, s))
+                if not args.tiles:
+                    row["fused_graph_us"][s] = graph_us(fused_step(q, k_cache, v_cache, meta,
+                                                                   [ctx] * bsz, [1] * bsz, s))
+                    continue
+                for tile in args.tiles.split(","):
+                    bn, warps = map(int, tile.split("x"))
+                    fn = fused_step(q, k_cache, v_cache, meta, [ctx] * bsz, [1] * bsz, s,
+                                    tile=(bn, warps))
+                    row["fused_graph_us"][f"{s}/{bn}x{warps}"] = graph_us(fn)
             row["sdpa_graph_us"] = sdpa_us(q.view(bsz, 1, HQ, D).transpose(1, 2), ctx)
             best = min(row["fused_graph_us"], key=row["fused_graph_us"].get)
             kv = 2 * bsz * (ctx + 1) * HKV * D * 2
             row["best_splits"] = best
             row["best_TBps"] = kv / row["fused_graph_us"][best] / 1e6
-            row["one_split_TBps"] = kv / row["fused_graph_us"][1] / 1e6
+            first = next(iter(row["fused_graph_us"]))
+            row["first_TBps"] = kv / row["fused_graph_us"][first] / 1e6
             row["sdpa_TBps"] = kv / row["sdpa_graph_us"] / 1e6
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -145,10 +145,12 @@ def attention_case(name: str, ctxs: list[int], qlens: list[int],
 
 
 def fused_step(q, k_cache, v_cache, meta: AttentionMetadata, ctxs: list[int],
-               qlens: list[int], num_splits: int | None = None):
+               qlens: list[int], num_splits: int | None = None,
+               tile: tuple[int, int] | None = None):
     """The engine's fused call for the step: rotary on q and the new k, the new K/V written by
     slot, attention over the cache and the step's own rows (`num_splits`: None for
-    `choose_num_splits`'s)."""
+    `choose_num_splits`'s; `tile`: decode attention's (block_n, num_warps), None for its
+    default)."""
     t = sum(qlens)
     k = torch.randn(t, HKV, D, device=DEV, dtype=DT)
     v = torch.randn(t, HKV, D, device=DEV, dtype=DT)
@@ -161,6 +163,11 @@ def fused_step(q, k_cache, v_cache, meta: AttentionMetadata, ctxs: list[int],
     scale = D ** -0.5
     splits = num_splits or choose_num_splits(meta, HQ, HKV, DEV)
     rope = BACKEND.step_rope(meta, positions, inv_freq, 1.0, HQ // HKV)
+    if tile is not None:
+        from verify_kernels.decode_attention import decode_attention
+
+        return lambda: decode_attention(q, k, v, positions, inv_freq, 1.0, k_cache, v_cache,
+                                        meta, scale, splits, block_n=tile[0], num_warps=tile[1])
     return lambda: BACKEND.decode(q, k, v, positions, inv_freq, 1.0, k_cache, v_cache, meta,
                                   scale, splits, rope=rope)
 
