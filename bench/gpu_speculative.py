@@ -1,7 +1,8 @@
 """Speculative speedup at controlled acceptance on one GPU (bench/gpu_engine.py runs it): the
 replay drafter proposes the target's own recorded output, corrupted at the rate that sets tau;
 chains run overlapped (drafted on the device, specdec/spec_overlap.py) and host-drafted, trees
-overlapped, each against plain decoding of the same batch and the ideal tau / cost.
+overlapped, each against plain decoding of the same batch and the ideal tau / cost; then prompt
+lookup chains drafted on the device and on the host (`lookup_cells`).
 `run_requests` also times plain decoding for the other GPU scripts.
 """
 
@@ -66,6 +67,40 @@ def run_requests(engine, prompts, spec: dict, max_tokens: int, tag: str,
             steps += final[r].spec.steps
     rate = (sum(len(o) for o in outs) - base) / dt
     return Run(outs, rate, steady or rate, emitted / steps if steps else 1.0)
+
+
+def lookup_cells(engine, prompts, plain: Run, costs: dict, k: int, max_tokens: int, row: dict,
+                 batch: int) -> None:
+    """Prompt lookup chains of k (the n-gram drafter with `on_device`), drafted on the device in
+    overlapped steps ("lookup") and on the host between steps ("lookup_host"). The greedy-stable
+    model repeats its last token, so lookups hit from the first step: this is lookup's best
+    case, tau near k + 1, where the host's drafting gap weighs most."""
+    spec = {"method": "ngram", "num_speculative_tokens": k, "on_device": True}
+    default = engine.spec_pipeline.enabled
+    cost = costs.get(str(next(n for n in (2, 4, 8, 16, 32, 64) if n >= k + 1)))
+    run_requests(engine, prompts, spec, 16, f"warmlookup{batch}")
+    for name, piped in (("lookup", True), ("lookup_host", False)):
+        engine.spec_pipeline.enabled = piped and engine.pipeline.enabled
+        chained = engine.spec_pipeline.chained_steps
+        try:
+            run = run_requests(engine, prompts, spec, max_tokens, f"{name}{batch}")
+        finally:
+            engine.spec_pipeline.enabled = default
+        cell = {"tau_measured": run.tau,
+                "overlapped_steps": engine.spec_pipeline.chained_steps - chained,
+                "output_equals_plain": run.outputs == plain.outputs,
+                "tokens_per_s": run.rate, "speedup": run.rate / plain.rate,
+                "steady_tokens_per_s": run.steady_rate,
+                "steady_speedup": run.steady_rate / plain.steady_rate}
+        if cost:
+            cell.update(cost_ratio=cost, ideal=run.tau / cost,
+                        of_ideal=cell["speedup"] * cost / run.tau,
+                        steady_of_ideal=cell["steady_speedup"] * cost / run.tau)
+        row[name] = cell
+        log(f"batch {batch} {name}: tau {run.tau:.2f}, {run.rate:.1f} tok/s, speedup "
+            f"{cell['speedup']:.2f} (steady {cell['steady_speedup']:.2f})"
+            + (f", {cell['of_ideal']:.0%} / {cell['steady_of_ideal']:.0%} of ideal"
+               if cost else "") + f", output equals plain: {cell['output_equals_plain']}")
 
 
 @torch.no_grad()
@@ -158,6 +193,7 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
                     f"(steady {cell['steady_speedup']:.2f})"
                     + (f", {cell['of_ideal']:.0%} / {cell['steady_of_ideal']:.0%} of ideal"
                        if cost else ""))
+        lookup_cells(engine, prompts, plain, costs, k, max_tokens, row, batch)
         out[str(batch)] = row
         res["speculative"] = out
         if batch > 1 and profile_dir is not None:

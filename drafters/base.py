@@ -65,6 +65,12 @@ class Drafter(ABC):
         (`position_table`), so steps can be drafted on the device (specdec/spec_overlap.py)."""
         return False
 
+    def has_device_lookup(self, options: dict[str, Any]) -> bool:
+        """Whether, with these settings, the drafter's trees are prompt-lookup chains of k tokens
+        that `specdec.device_drafts.lookup` computes on the device from the sequence's tokens
+        (the n-gram drafter with `on_device`)."""
+        return False
+
     def position_table(self, request: DraftRequest, length: int,
                        device: torch.device) -> torch.Tensor:
         """[length] or [length, W] int64 on `device`: entry [p, j] is the token this drafter

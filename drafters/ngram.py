@@ -1,4 +1,12 @@
-"""Prompt lookup: propose what followed the latest earlier occurrence of the current suffix."""
+"""Prompt lookup: propose what followed the latest earlier occurrence of the current suffix.
+
+With `on_device` (chains only), every proposal is a chain of exactly k tokens
+(`lookup_chain`), the same function of a sequence's tokens that `specdec.device_drafts.lookup`
+computes on the device: steps can then be drafted there and launched before the step before is
+read back (specdec/spec_overlap.py). The continuation is repeated with the period the match
+implies where it is shorter than k, and the last token fills the chain where nothing matches,
+so the target verifies k + 1 rows every step, matched or not: worth it where lookups hit often
+(code editing, quoting), not on open-ended chat."""
 
 from __future__ import annotations
 
@@ -25,10 +33,24 @@ class _Index:
         self.seen = max(self.seen, len(tokens))
 
 
+def lookup_chain(tokens: list[int], index: _Index, k: int) -> list[int]:
+    """k draft tokens (`on_device`): for the longest suffix n-gram with an earlier occurrence,
+    what followed its latest one, repeated with period len(tokens) - n - start; else the last
+    token k times."""
+    for n in range(min(index.max_n, len(tokens) - 1), index.min_n - 1, -1):
+        starts = index.starts.get(tuple(tokens[-n:]))
+        if starts:
+            s = starts[-1]
+            period = len(tokens) - n - s
+            return [tokens[s + n + j % period] for j in range(k)]
+    return tokens[-1:] * k
+
+
 @register
 class NgramDrafter(Drafter):
     """Options: `min_n` (default 1), `max_n` (3), `branches` (2): how many differing
-    continuations (most recent first) become sibling branches of the tree."""
+    continuations (most recent first) become sibling branches of the tree; `on_device`
+    (False): chains of k tokens always, drafted on the device in overlapped steps."""
 
     name = "ngram"
 
@@ -36,7 +58,10 @@ class NgramDrafter(Drafter):
         self._index: dict[str, _Index] = {}
 
     def max_nodes(self, k: int, options: dict[str, Any]) -> int:
-        return k * max(1, int(options.get("branches", 2)))
+        return k * (1 if options.get("on_device") else max(1, int(options.get("branches", 2))))
+
+    def has_device_lookup(self, options: dict[str, Any]) -> bool:
+        return bool(options.get("on_device"))
 
     def propose(self, batch: list[DraftRequest]) -> DraftTree:
         return DraftTree.from_lists([self._one(r) for r in batch])
@@ -50,6 +75,9 @@ class NgramDrafter(Drafter):
             idx = self._index[r.request_id] = _Index(min_n, max_n)
         idx.update(r.tokens)
         toks = r.tokens
+        if r.options.get("on_device"):
+            chain = lookup_chain(toks, idx, min(r.k, r.max_nodes))
+            return chain, list(range(-1, len(chain) - 1))
         for n in range(min(max_n, len(toks) - 1), min_n - 1, -1):
             starts = idx.starts.get(tuple(toks[-n:]))
             if not starts:

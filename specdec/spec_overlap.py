@@ -2,8 +2,10 @@
 
 A speculative step needs from the host what the verdict of the step before decides: how many
 draft tokens were accepted (so each sequence's positions and KV slots), the bonus token (the
-next root) and the next drafts. When the drafter's proposals are a function of position alone
-(`Drafter.position_table`: the replay drafter), all of that can be had on the device. The host
+next root) and the next drafts. When the drafter's proposals can be made on the device
+(specdec/device_drafts.py: a function of position alone, `Drafter.position_table`, as the
+replay drafter's; or prompt lookup over a device copy of the tokens, `Drafter.has_device_lookup`,
+as the n-gram drafter's with `on_device`), all of that can be had on the device. The host
 stages step n + 1 as if step n had emitted nothing (positions from the context it knows, no
 tokens); queued behind step n on the same stream, `chain_inputs` then moves every sequence on
 by its emitted count, writes the root and drafts, and maps positions to KV slots through the
@@ -12,7 +14,7 @@ block tables. Step n's tokens come back while step n + 1 computes, and the host'
 decoding's does (specdec/overlap.py).
 
 Which steps: greedy draft trees of one shape for every sequence (chains included), all from
-drafters with a position table, no penalties or logprobs, no hidden-state capture, no adaptive
+drafters of one device source, no penalties or logprobs, no hidden-state capture, no adaptive
 depth, through a CUDA graph bucket (the staged inputs are fixed on the device in place; on the
 CPU the same staging and fix run, and the step runs eagerly from them). Blocks for two steps
 ahead are reserved before each launch. A sequence that stops at step n has its step n + 1 work
@@ -37,6 +39,7 @@ import torch
 
 from drafters import DraftRequest
 from drafters.tree import row_shape
+from specdec.device_drafts import LookupDrafts, TableDrafts
 from specdec.graph_inputs import pack_step
 from specdec.model_runner import Segment
 from specdec.sampler import HostCopy, argmax_rows, device_to_host, host_to_device
@@ -95,7 +98,7 @@ class InFlight:
 
     seqs: list[Sequence]
     contexts: list[int]  # per sequence, its KV entries before the step (the root's position)
-    table: torch.Tensor  # [n, L, W] the sequences' position tables (device)
+    source: TableDrafts | LookupDrafts  # where the sequences' drafts come from on the device
     emitted: torch.Tensor  # [n, k + 1] accepted tokens then the bonus, per sequence (device)
     num: torch.Tensor  # [n] tokens emitted: accepted drafts + the bonus (device)
     host: HostCopy | None  # emitted then num, on their way to the host
@@ -127,18 +130,18 @@ def accept_greedy(logits: torch.Tensor, ids: torch.Tensor, shape: TreeShape
 
 def chain_inputs(d64: torch.Tensor, d32: torch.Tensor, lay: Layout, block_size: int,
                  n: int, shape: TreeShape, prev: InFlight, rows: torch.Tensor,
-                 table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 source: TableDrafts | LookupDrafts) -> tuple[torch.Tensor, torch.Tensor]:
     """Move a step staged from the host's stale view forward on the device, in place.
 
     The staging buffers (specdec.graph_inputs.Layout) hold n trees of `shape`, staged with
     each sequence's context as the host knew it when step `prev` launched (no tokens, no
     slots). Sequence i was row rows[i] of `prev`: its context and positions grow by that
-    row's emitted count, its root is the last emitted token, its nodes' tokens come from its
-    position table (position, column) and row r's KV slot is context + r's, through the block
+    row's emitted count, its root is the last emitted token, its nodes' tokens come from
+    `source` (already moved past `prev`) and row r's KV slot is context + r's, through the block
     table. Returns the step's (input tokens, KV slots), each [n, m]."""
     t, b, q, w = lay.tokens, lay.batch, lay.q, lay.width
     m = shape.rows
-    _, col, _, ar = shape.tensors(table.device)
+    ar = shape.tensors(d64.device)[3]
     add = prev.num.index_select(0, rows)  # [n]
     root = prev.emitted.index_select(0, rows).gather(1, (add - 1)[:, None])  # [n, 1]
     ctx = d32[b + 1:2 * b + 1][:n]
@@ -146,9 +149,7 @@ def chain_inputs(d64: torch.Tensor, d32: torch.Tensor, lay: Layout, block_size: 
     d32[2 * b + 1:3 * b + 1][:n] += add.to(torch.int32)
     pos = d64[t:2 * t].view(b, q)[:n, :m]
     pos += add[:, None]
-    width = table.shape[2]
-    drafts = table.view(n, -1).gather(1, pos[:, 1:] * width + col)
-    ids = torch.cat([root, drafts], dim=1)  # [n, m]
+    ids = torch.cat([root, source.drafts(pos[:, 1:], shape)], dim=1)  # [n, m]
     d64[0:t].view(b, q)[:n, :m] = ids
     at = ctx.to(torch.int64)[:, None] + ar  # [n, m] the rows' KV indices
     tables = d32[3 * b + 1:3 * b + 1 + b * w].view(b, w)[:n]
@@ -167,22 +168,38 @@ class SpecPipeline:
         self._shapes: dict[tuple[int, ...], TreeShape] = {}
 
     def qualifies(self, engine: LLMEngine, plan: StepPlan, trees: list, capture) -> bool:
-        """A step of greedy trees of one shape, from drafters with position tables, that a
+        """A step of greedy trees of one shape, from drafters of one device source, that a
         graph bucket runs."""
         if plan.prefills or not plan.decodes or capture is not None:
             return False
         if engine.runner.graphs is None and engine.runner.device.type == "cuda":
             return False
         pars0 = trees[0][1]
+        kinds = set()
         for d, (toks, pars, probs) in zip(plan.decodes, trees):
             s, p = d.seq, d.seq.params
             if (not toks or pars != pars0 or probs is not None or not p.greedy
                     or p.has_penalties or p.logprobs is not None
-                    or s.spec_options.get("adaptive", engine.adaptive_default)
-                    or not engine._drafter_of(s).has_position_table(s.spec_options)):
+                    or s.spec_options.get("adaptive", engine.adaptive_default)):
                 return False
+            kinds.add(self._kind(engine, s))
+        if len(kinds) != 1 or None in kinds:
+            return False
+        kind = kinds.pop()
         shape = self._shape(pars0)
+        if kind[0] == "lookup" and not shape.is_chain:
+            return False
         return self._fits(engine, [d.seq for d in plan.decodes], shape)
+
+    @staticmethod
+    def _kind(engine: LLMEngine, seq: Sequence) -> tuple | None:
+        """How the device drafts for `seq`: ("table",), ("lookup", min_n, max_n) or None."""
+        drafter, opts = engine._drafter_of(seq), seq.spec_options
+        if drafter.has_position_table(opts):
+            return ("table",)
+        if drafter.has_device_lookup(opts):
+            return ("lookup", int(opts.get("min_n", 1)), int(opts.get("max_n", 3)))
+        return None
 
     def _shape(self, parents: list[int]) -> TreeShape:
         key = tuple(parents)
@@ -212,15 +229,20 @@ class SpecPipeline:
         seqs = [d.seq for d in plan.decodes]
         self.shape = self._shape(parents)
         dev = engine.runner.device
-        table = self._table(engine, seqs)
+        kind = self._kind(engine, seqs[0])
+        length = engine.max_model_len + self.shape.rows
+        if kind[0] == "lookup":
+            source = LookupDrafts.from_tokens([s.tokens for s in seqs], length, kind[1],
+                                              kind[2], dev)
+        else:
+            source = TableDrafts(self._table(engine, seqs, length))
         out = engine.runner.execute(segs)
         ids = host_to_device([g.tokens for g in segs], torch.long, dev)
         slots = host_to_device([g.slots for g in segs], torch.long, dev)
-        self._keep(engine, seqs, [g.context_len for g in segs], table, out.logits, ids, slots)
+        self._keep(engine, seqs, [g.context_len for g in segs], source, out.logits, ids, slots)
 
-    def _table(self, engine: LLMEngine, seqs: list[Sequence]) -> torch.Tensor:
+    def _table(self, engine: LLMEngine, seqs: list[Sequence], length: int) -> torch.Tensor:
         shape = self.shape
-        length = engine.max_model_len + shape.rows
         rows = []
         for s in seqs:
             r = DraftRequest(request_id=s.request_id, tokens=s.tokens, max_nodes=shape.rows - 1,
@@ -237,7 +259,7 @@ class SpecPipeline:
         return table
 
     def _keep(self, engine: LLMEngine, seqs: list[Sequence], contexts: list[int],
-              table: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
+              source: TableDrafts | LookupDrafts, logits: torch.Tensor, ids: torch.Tensor,
               slots: torch.Tensor) -> None:
         shape = self.shape
         emitted, num, nodes = accept_greedy(logits, ids, shape)
@@ -248,7 +270,7 @@ class SpecPipeline:
             moved = (nodes >= 0) & (nodes != torch.arange(shape.k, device=nodes.device))
             src = torch.where(moved, slots.gather(1, 1 + nodes.clamp(min=0)), dst)
             engine.runner.move_kv_device(src.flatten(), dst.flatten())
-        self.in_flight = InFlight(seqs, contexts, table, emitted, num,
+        self.in_flight = InFlight(seqs, contexts, source, emitted, num,
                                   device_to_host(torch.cat([emitted.flatten(), num])))
 
     def can_chain(self, engine: LLMEngine) -> bool:
@@ -276,7 +298,7 @@ class SpecPipeline:
         seqs = [f.seqs[i] for i in keep]
         dev = runner.device
         rows = host_to_device(keep, torch.long, dev)
-        table = f.table if len(keep) == len(f.seqs) else f.table.index_select(0, rows)
+        source = f.source.next(f, rows, len(keep) == len(f.seqs))  # queued behind step `f`
         rs = row_shape(shape.parents)
         m = shape.rows
         segs = [Segment([0] * m, [s.num_computed + x for x in rs.offsets], [-1] * m,
@@ -288,14 +310,14 @@ class SpecPipeline:
 
             def fix(d64, d32, lay):
                 fixed.append(chain_inputs(d64, d32, lay, runner.block_size, len(segs), shape,
-                                          f, rows, table))
+                                          f, rows, source))
 
             out = runner.execute(segs, fixup=fix)
             ids, slots = fixed[0]
         else:  # the CPU: the "device" is the host, and the step is built from its lists
-            ids, slots, segs = self._host_segments(engine, f, keep, segs, table)
+            ids, slots, segs = self._host_segments(engine, f, keep, segs, source)
             out = runner.execute(segs)
-        self._keep(engine, seqs, contexts, table, out.logits, ids, slots)
+        self._keep(engine, seqs, contexts, source, out.logits, ids, slots)
         self.chained_steps += 1
         outputs = self._read_back(engine, f, in_flight=m)
         # The new step's contexts gain what `f` emitted: read back just now.
@@ -306,7 +328,7 @@ class SpecPipeline:
         return outputs
 
     def _host_segments(self, engine: LLMEngine, f: InFlight, keep: list[int],
-                       segs: list[Segment], table: torch.Tensor):
+                       segs: list[Segment], source: TableDrafts | LookupDrafts):
         """For a runner without graphs (the CPU): the step staged in a graph bucket's layout and
         moved on by `chain_inputs`, as on the GPU, then read out as segments."""
         from specdec.graph_inputs import BATCH_SIZES, TOKENS_PER_SEQ, Layout
@@ -320,7 +342,7 @@ class SpecPipeline:
         d64, d32 = torch.from_numpy(h64), torch.from_numpy(h32)
         rows = torch.tensor(keep, dtype=torch.long)
         ids, slots = chain_inputs(d64, d32, lay, engine.blocks.block_size, n, shape, f, rows,
-                                  table)
+                                  source)
         pos = d64[lay.tokens:2 * lay.tokens].view(lay.batch, lay.q)[:n, :m].tolist()
         ctx = d32[lay.batch + 1:lay.batch + 1 + n].tolist()
         out = [Segment(t, p, sl, c, g.block_table, mask=g.mask, logits_rows=g.logits_rows)
@@ -345,6 +367,12 @@ class SpecPipeline:
             new = flat[i * w:i * w + nums[i]]
             engine.blocks.commit(seq, ctx + nums[i], in_flight)
             if seq.request_id in engine._spec:
-                _record(engine, seq, shape.rows - 1, nums[i] - 1, nums[i], shape.k)
+                # Counted as the host path counts: drafts past what the request may still
+                # generate (the scheduler's _draft_room) are not drafted there.
+                room = min(seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                           engine.max_model_len - seq.num_tokens)
+                cap = max(0, room)
+                acc = min(nums[i] - 1, cap)
+                _record(engine, seq, min(shape.rows - 1, cap), acc, acc + 1, min(shape.k, cap))
             outputs.append(settle(engine, seq, new, None, now))
         return outputs

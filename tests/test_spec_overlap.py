@@ -18,6 +18,7 @@ from test_engine import PROMPTS
 from drafters import replay
 from drafters.tree import row_shape
 from specdec import LLM, SamplingParams
+from specdec.device_drafts import TableDrafts
 from specdec.graph_inputs import Layout, pack_step
 from specdec.model_runner import Segment
 from specdec.spec_overlap import InFlight, TreeShape, accept_greedy, chain_inputs
@@ -141,8 +142,8 @@ def test_not_taken_for_sampling_or_host_drafters(tiny_llama, plain):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="overlapped steps on a GPU")
-@pytest.mark.parametrize("branches", [1, 2])
-def test_overlapped_steps_on_cuda_equal_plain(tiny_llama, plain, branches):
+@pytest.mark.parametrize("method,branches", [("replay", 1), ("replay", 2), ("ngram", 1)])
+def test_overlapped_steps_on_cuda_equal_plain(tiny_llama, plain, method, branches):
     """The device path itself: graph replays with their inputs moved on in place, acceptance
     and KV compaction on the device, the host reading step n back while step n+1 runs."""
     def cuda_llm() -> LLM:
@@ -157,7 +158,11 @@ def test_overlapped_steps_on_cuda_equal_plain(tiny_llama, plain, branches):
             replay.record(p, o.token_ids)
         lm = cuda_llm()
         assert lm.engine.runner.graphs is not None and lm.engine.spec_pipeline.enabled
-        outs = lm.generate(PROMPTS, spec_params(0.4, branches=branches, max_tokens=48))
+        params = spec_params(0.4, branches=branches, max_tokens=48)
+        if method == "ngram":  # prompt lookup drafted on the device (specdec/device_drafts.py)
+            params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=48, speculative={
+                "method": "ngram", "num_speculative_tokens": 4, "on_device": True})
+        outs = lm.generate(PROMPTS, params)
         assert summary(outs) == summary(plain_outs)
         assert lm.engine.spec_pipeline.chained_steps >= 8
         assert lm.engine.spec_pipeline.in_flight is None and lm.engine.blocks.num_used == 0
@@ -203,7 +208,7 @@ def test_chain_inputs_match_the_host_packing(q, parents):
     emitted = torch.randint(0, 100, (n + 1, k + 1), generator=g)
     num = torch.tensor([2, 3, 1, 3])
     rows = torch.tensor([0, 1, 3])  # the in-flight step's row 2 finished
-    prev = InFlight([], [], table, emitted, num, None)
+    prev = InFlight([], [], TableDrafts(table), emitted, num, None)
     rs = row_shape(parents)
 
     def segs(contexts, tokens, staged):
@@ -220,7 +225,7 @@ def test_chain_inputs_match_the_host_packing(q, parents):
         return torch.from_numpy(h64), torch.from_numpy(h32)
 
     d64, d32 = packed(segs(ctx, [[0] * m] * n, True))
-    ids, slots = chain_inputs(d64, d32, lay, bs, n, shape, prev, rows, table)
+    ids, slots = chain_inputs(d64, d32, lay, bs, n, shape, prev, rows, TableDrafts(table))
     new_ctx = [c + int(num[r]) for c, r in zip(ctx, rows.tolist())]
     want_tokens = [[int(emitted[r, num[r] - 1])] + [
         int(table[i, c + rs.offsets[1 + j], shape.column[j]]) for j in range(m - 1)]
