@@ -69,6 +69,21 @@ def run_requests(engine, prompts, spec: dict, max_tokens: int, tag: str,
     return Run(outs, rate, steady or rate, emitted / steps if steps else 1.0)
 
 
+def make_cell(run: Run, plain: Run, want: list[list[int]], cost: float | None,
+              overlapped: int) -> dict:
+    """A speculative run against plain decoding of the same batch and the ideal tau / cost."""
+    cell = {"tau_measured": run.tau, "overlapped_steps": overlapped,
+            "output_equals_plain": run.outputs == want,
+            "tokens_per_s": run.rate, "speedup": run.rate / plain.rate,
+            "steady_tokens_per_s": run.steady_rate,
+            "steady_speedup": run.steady_rate / plain.steady_rate}
+    if cost:
+        cell.update(cost_ratio=cost, ideal=run.tau / cost,
+                    of_ideal=cell["speedup"] * cost / run.tau,
+                    steady_of_ideal=cell["steady_speedup"] * cost / run.tau)
+    return cell
+
+
 def lookup_cells(engine, prompts, plain: Run, costs: dict, k: int, max_tokens: int, row: dict,
                  batch: int) -> None:
     """Prompt lookup chains of k (the n-gram drafter with `on_device`), drafted on the device in
@@ -86,17 +101,8 @@ def lookup_cells(engine, prompts, plain: Run, costs: dict, k: int, max_tokens: i
             run = run_requests(engine, prompts, spec, max_tokens, f"{name}{batch}")
         finally:
             engine.spec_pipeline.enabled = default
-        cell = {"tau_measured": run.tau,
-                "overlapped_steps": engine.spec_pipeline.chained_steps - chained,
-                "output_equals_plain": run.outputs == plain.outputs,
-                "tokens_per_s": run.rate, "speedup": run.rate / plain.rate,
-                "steady_tokens_per_s": run.steady_rate,
-                "steady_speedup": run.steady_rate / plain.steady_rate}
-        if cost:
-            cell.update(cost_ratio=cost, ideal=run.tau / cost,
-                        of_ideal=cell["speedup"] * cost / run.tau,
-                        steady_of_ideal=cell["steady_speedup"] * cost / run.tau)
-        row[name] = cell
+        row[name] = cell = make_cell(run, plain, plain.outputs, cost,
+                                     engine.spec_pipeline.chained_steps - chained)
         log(f"batch {batch} {name}: tau {run.tau:.2f}, {run.rate:.1f} tok/s, speedup "
             f"{cell['speedup']:.2f} (steady {cell['steady_speedup']:.2f})"
             + (f", {cell['of_ideal']:.0%} / {cell['steady_of_ideal']:.0%} of ideal"
@@ -177,16 +183,8 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
                                        max_tokens, f"s{batch}{name}{tau}")
                 finally:
                     engine.spec_pipeline.enabled = default_spec_overlap
-                cell = {"corrupt_rate": rate, "tau_measured": run.tau,
-                        "overlapped_steps": engine.spec_pipeline.chained_steps - chained,
-                        "output_equals_plain": run.outputs == rec.outputs,
-                        "tokens_per_s": run.rate, "speedup": run.rate / plain_rate,
-                        "steady_tokens_per_s": run.steady_rate,
-                        "steady_speedup": run.steady_rate / plain.steady_rate}
-                if cost:
-                    cell.update(cost_ratio=cost, ideal=run.tau / cost,
-                                of_ideal=cell["speedup"] * cost / run.tau,
-                                steady_of_ideal=cell["steady_speedup"] * cost / run.tau)
+                cell = {"corrupt_rate": rate, **make_cell(
+                    run, plain, rec.outputs, cost, engine.spec_pipeline.chained_steps - chained)}
                 row[f"{name}_tau{tau}"] = cell
                 log(f"batch {batch} {name} tau {tau}: measured tau {run.tau:.2f}, "
                     f"{run.rate:.1f} tok/s, speedup {cell['speedup']:.2f} "
