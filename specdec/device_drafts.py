@@ -26,11 +26,15 @@ if TYPE_CHECKING:
     from specdec.spec_overlap import InFlight, TreeShape
 
 
+COLUMN_ROUND = 256  # lookups search the histories' first `bound` columns, rounded up to this
+
+
 class TableDrafts:
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table  # [n, L, W] per sequence, per position, per sibling column
 
-    def next(self, prev: InFlight, rows: torch.Tensor, same_rows: bool) -> TableDrafts:
+    def next(self, prev: InFlight, rows: torch.Tensor, same_rows: bool, bound: int
+             ) -> TableDrafts:
         """The tables of the sequences kept (`rows` of the step before)."""
         return self if same_rows else TableDrafts(self.table.index_select(0, rows))
 
@@ -42,11 +46,12 @@ class TableDrafts:
 
 
 class LookupDrafts:
-    def __init__(self, hist: torch.Tensor, length: torch.Tensor, min_n: int, max_n: int
-                 ) -> None:
+    def __init__(self, hist: torch.Tensor, length: torch.Tensor, min_n: int, max_n: int,
+                 bound: int) -> None:
         self.hist = hist  # [n, C] int64: each sequence's tokens, its root last
         self.length = length  # [n] int64: tokens held per row
         self.min_n, self.max_n = min_n, max_n
+        self.bound = bound  # the host's upper bound on `length`: the columns worth searching
 
     @staticmethod
     def from_tokens(tokens: list[list[int]], capacity: int, min_n: int, max_n: int,
@@ -55,11 +60,14 @@ class LookupDrafts:
         for i, t in enumerate(tokens):
             hist[i, :len(t)] = torch.tensor(t, dtype=torch.long)
         length = torch.tensor([len(t) for t in tokens], dtype=torch.long)
-        return LookupDrafts(hist.to(device), length.to(device), min_n, max_n)
+        return LookupDrafts(hist.to(device), length.to(device), min_n, max_n,
+                            max(map(len, tokens)))
 
-    def next(self, prev: InFlight, rows: torch.Tensor, same_rows: bool) -> LookupDrafts:
+    def next(self, prev: InFlight, rows: torch.Tensor, same_rows: bool, bound: int
+             ) -> LookupDrafts:
         """The kept sequences' histories with step `prev`'s emitted tokens appended (its
-        accepted drafts, then the bonus token: the next step's root)."""
+        accepted drafts, then the bonus token: the next step's root); `bound`: the most tokens
+        a kept sequence can now hold, as the host knows it."""
         hist = self.hist if same_rows else self.hist.index_select(0, rows)
         length = self.length if same_rows else self.length.index_select(0, rows)
         emitted = prev.emitted.index_select(0, rows)  # [n, k + 1]
@@ -69,11 +77,13 @@ class LookupDrafts:
         # overwritten then; the capacity leaves room for them. In place: the step before's
         # history is not read again.
         hist.scatter_(1, length[:, None] + j, emitted)
-        return LookupDrafts(hist, length + num, self.min_n, self.max_n)
+        return LookupDrafts(hist, length + num, self.min_n, self.max_n, bound)
 
     def drafts(self, pos: torch.Tensor, shape: TreeShape) -> torch.Tensor:
         assert shape.is_chain, "prompt lookup drafts chains"
-        return lookup(self.hist, self.length, self.min_n, self.max_n, shape.k)
+        # Only the columns a history can reach: the capacity is the model's whole context.
+        cols = min(self.hist.shape[1], -(-self.bound // COLUMN_ROUND) * COLUMN_ROUND)
+        return lookup(self.hist[:, :cols], self.length, self.min_n, self.max_n, shape.k)
 
 
 def lookup(hist: torch.Tensor, length: torch.Tensor, min_n: int, max_n: int, k: int

@@ -298,7 +298,9 @@ class SpecPipeline:
         seqs = [f.seqs[i] for i in keep]
         dev = runner.device
         rows = host_to_device(keep, torch.long, dev)
-        source = f.source.next(f, rows, len(keep) == len(f.seqs))  # queued behind step `f`
+        # Queued behind step `f`; a history gains at most a step's rows from `f`.
+        bound = max(s.num_tokens for s in seqs) + shape.rows
+        source = f.source.next(f, rows, len(keep) == len(f.seqs), bound)
         rs = row_shape(shape.parents)
         m = shape.rows
         segs = [Segment([0] * m, [s.num_computed + x for x in rs.offsets], [-1] * m,

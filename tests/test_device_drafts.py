@@ -10,7 +10,7 @@ import torch
 from test_engine import PROMPTS
 
 from drafters.ngram import _Index, lookup_chain
-from specdec import LLM, SamplingParams
+from specdec import LLM, SamplingParams, device_drafts
 from specdec.device_drafts import LookupDrafts, lookup
 from specdec.spec_overlap import InFlight
 
@@ -53,10 +53,10 @@ def test_next_appends_each_kept_rows_emitted_tokens():
     emitted = torch.tensor([[7, 8, 9], [10, 11, 12], [13, 14, 15]])
     num = torch.tensor([2, 3, 1])
     prev = InFlight([], [], src, emitted, num, None)
-    nxt = src.next(prev, torch.tensor([0, 2]), same_rows=False)
-    assert nxt.length.tolist() == [5, 2]
+    nxt = src.next(prev, torch.tensor([0, 2]), same_rows=False, bound=6)
+    assert nxt.length.tolist() == [5, 2] and nxt.bound == 6
     assert nxt.hist[0, :5].tolist() == [1, 2, 3, 7, 8] and nxt.hist[1, :2].tolist() == [6, 13]
-    same = src.next(prev, torch.arange(3), same_rows=True)
+    same = src.next(prev, torch.arange(3), same_rows=True, bound=6)
     assert same.length.tolist() == [5, 5, 2] and same.hist[1, :5].tolist() == [4, 5, 10, 11, 12]
 
 
@@ -71,8 +71,11 @@ def plain(tiny_llama):
         PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
 
 
-@pytest.mark.parametrize("min_n", [1, 2])
-def test_overlapped_lookup_equals_plain_and_the_host_path(tiny_llama, plain, min_n):
+@pytest.mark.parametrize("min_n,round_to", [(1, 256), (2, 1)])
+def test_overlapped_lookup_equals_plain_and_the_host_path(tiny_llama, plain, min_n, round_to,
+                                                          monkeypatch):
+    # round_to 1: lookups search exactly the columns the host's bound allows, no slack.
+    monkeypatch.setattr(device_drafts, "COLUMN_ROUND", round_to)
     runs = {}
     for overlap in (True, False):
         lm = LLM(model=str(tiny_llama), speculative={"method": "none"}, block_size=4,
