@@ -37,7 +37,7 @@ def lookup_chain(tokens: list[int], index: _Index, k: int) -> list[int]:
     """k draft tokens (`on_device`): for the longest suffix n-gram with an earlier occurrence,
     what followed its latest one, repeated with period len(tokens) - n - start; else the last
     token k times."""
-    for n in range(min(index.max_n, len(tokens) - 1), index.min_n - 1, -1):
+    for n in range(min(index.max_n, len(tokens) - 1), max(1, index.min_n) - 1, -1):
         starts = index.starts.get(tuple(tokens[-n:]))
         if starts:
             s = starts[-1]

@@ -98,7 +98,7 @@ def lookup(hist: torch.Tensor, length: torch.Tensor, min_n: int, max_n: int, k: 
     cols = torch.arange(cap, device=dev)
     best = torch.full((rows,), -1, dtype=torch.long, device=dev)  # start of the occurrence
     best_n = torch.zeros(rows, dtype=torch.long, device=dev)
-    for n in range(max_n, min_n - 1, -1):
+    for n in range(max_n, max(1, min_n) - 1, -1):
         span = cap - n  # starts 0 .. cap - n - 1 leave a token after the n-gram
         if span <= 0:
             continue

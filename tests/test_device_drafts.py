@@ -23,7 +23,8 @@ def host_chain(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     return lookup_chain(tokens, idx, k)
 
 
-@pytest.mark.parametrize("min_n,max_n,k", [(1, 3, 4), (2, 4, 7), (1, 1, 3), (3, 3, 5)])
+@pytest.mark.parametrize("min_n,max_n,k", [(1, 3, 4), (2, 4, 7), (1, 1, 3), (3, 3, 5),
+                                           (0, 2, 3), (3, 2, 4)])
 def test_lookup_matches_the_host(min_n, max_n, k):
     rnd = random.Random(min_n * 100 + max_n * 10 + k)
     cap = 80
