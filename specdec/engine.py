@@ -38,6 +38,7 @@ from specdec.step_results import (
     launch_verification,
     report,
 )
+from specdec.target_features import capture_layers, observe_prefills
 
 
 class LLMEngine:
@@ -320,7 +321,7 @@ class LLMEngine:
             segs.append(Segment([s.last_token] + toks, [c + x for x in shape.offsets],
                                 bm.slots(s, c, 1 + n), c, s.block_table, mask=shape.mask,
                                 logits_rows=shape.logits_rows))
-        capture = self._capture_layers(plan)
+        capture = capture_layers(self, plan)
         if self.spec_pipeline.enabled and self.spec_pipeline.qualifies(self, plan, trees,
                                                                        capture):
             self.spec_pipeline.launch(self, plan, segs, trees[0][1])
@@ -331,7 +332,7 @@ class LLMEngine:
         launched = time.perf_counter()
         out = self.runner.execute(segs, capture)
         if capture is not None:
-            self._observe_prefills(plan, out)
+            observe_prefills(self, plan, out, capture)
 
         samplers: list[tuple[Sequence, int]] = []  # (seq, context length before the step)
         rows_params: list[SamplingParams] = []
@@ -356,38 +357,6 @@ class LLMEngine:
             return None
         return launch_verification(self, out, samplers, tree_lists, tree, rows_params, rows_ctx,
                                    row_offsets, plan, launched)
-
-    def _capture_layers(self, plan: StepPlan) -> tuple[int, ...] | None:
-        """Union of target layers that this step's drafters need features from; None when
-        no drafter in the step consumes target features."""
-        layers: set[int] | None = None
-        for seq in [p.seq for p in plan.prefills] + [d.seq for d in plan.decodes]:
-            if self.wants_features(seq):
-                layers = (layers or set()) | set(self._drafter_of(seq).capture_layers)
-        return None if layers is None else tuple(sorted(layers))
-
-    def wants_features(self, seq: Sequence) -> bool:
-        return seq.spec_method != "none" and self._drafter_of(seq).needs_hidden_states
-
-    def features_for(self, out, capture: tuple[int, ...], seq: Sequence, rows: torch.Tensor
-                     ) -> torch.Tensor:
-        """The features a drafter asked for, in its capture_layers order, at the given rows."""
-        d = self._drafter_of(seq)
-        hid = out.features.shape[1] // (len(capture) + 1)
-        cols = [capture.index(layer) for layer in d.capture_layers] + [len(capture)]
-        blocks = [out.features[rows, c * hid:(c + 1) * hid] for c in cols]
-        return torch.cat(blocks, dim=-1)
-
-    def _observe_prefills(self, plan: StepPlan, out) -> None:
-        capture = self._capture_layers(plan)
-        for i, p in enumerate(plan.prefills):
-            if self.wants_features(p.seq):
-                c = p.seq.num_computed
-                rows = torch.arange(out.query_offsets[i], out.query_offsets[i] + p.num_tokens,
-                                    device=out.features.device)
-                self._drafter_of(p.seq).observe(p.seq.request_id, c,
-                                                p.seq.tokens[c:c + p.num_tokens],
-                                                self.features_for(out, capture, p.seq, rows))
 
     def _output(self, seq: Sequence, new_ids: list[int], logprobs, finished: bool
                 ) -> RequestOutput:

@@ -29,6 +29,7 @@ from specdec.sampler import (
 )
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
+from specdec.target_features import capture_layers, features_for, wants_features
 from specdec.verifier import verify_greedy_lists, verify_tree
 
 if TYPE_CHECKING:
@@ -134,17 +135,18 @@ def finish_step(engine: LLMEngine, p: PendingStep) -> list[Settled]:
     settled: list[Settled] = []
     lp_cursor = 0
     now = time.monotonic()
+    capture = capture_layers(engine, plan) if out.features is not None else None
     for b, (seq, ctx) in enumerate(samplers):
         toks, pars = p.tree_lists[b]
         new, accepted = new_h[b], acc_h[b]
         n = len(new)
         is_decode = b >= num_prefills
-        if is_decode and out.features is not None and engine.wants_features(seq):
+        if is_decode and out.features is not None and wants_features(engine, seq):
             q0 = out.query_offsets[len(plan.prefills) + b - num_prefills]
             rows = torch.tensor([q0] + [q0 + 1 + a for a in accepted], device=dev)
             engine._drafter_of(seq).observe(
                 seq.request_id, ctx, [seq.last_token] + new[:len(accepted)],
-                engine.features_for(out, engine._capture_layers(plan), seq, rows))
+                features_for(engine, out, capture, seq, rows))
         if is_decode:
             # KV of the accepted path moves to consecutive positions after the root.
             for j, a in enumerate(accepted):
