@@ -69,10 +69,24 @@ def run_requests(engine, prompts, spec: dict, max_tokens: int, tag: str,
     return Run(outs, rate, steady or rate, emitted / steps if steps else 1.0)
 
 
-def make_cell(run: Run, plain: Run, want: list[list[int]], cost: float | None,
-              overlapped: int) -> dict:
-    """A speculative run against plain decoding of the same batch and the ideal tau / cost."""
-    cell = {"tau_measured": run.tau, "overlapped_steps": overlapped,
+def cost_at(costs: dict, rows: int) -> float | None:
+    """The cost ratio of the curve's bucket that holds `rows` query rows per sequence."""
+    return costs.get(str(next(n for n in (2, 4, 8, 16, 32, 64) if n >= rows)))
+
+
+def timed_cell(engine, prompts, spec: dict, max_tokens: int, tag: str, piped: bool,
+               plain: Run, want: list[list[int]], cost: float | None) -> tuple[Run, dict]:
+    """One speculative run, overlapped (`piped`, where overlap is on) or drafted on the host,
+    against plain decoding of the same batch and the ideal tau / cost."""
+    default = engine.spec_pipeline.enabled
+    engine.spec_pipeline.enabled = piped and engine.pipeline.enabled
+    chained = engine.spec_pipeline.chained_steps
+    try:
+        run = run_requests(engine, prompts, spec, max_tokens, tag)
+    finally:
+        engine.spec_pipeline.enabled = default
+    cell = {"tau_measured": run.tau,
+            "overlapped_steps": engine.spec_pipeline.chained_steps - chained,
             "output_equals_plain": run.outputs == want,
             "tokens_per_s": run.rate, "speedup": run.rate / plain.rate,
             "steady_tokens_per_s": run.steady_rate,
@@ -81,7 +95,7 @@ def make_cell(run: Run, plain: Run, want: list[list[int]], cost: float | None,
         cell.update(cost_ratio=cost, ideal=run.tau / cost,
                     of_ideal=cell["speedup"] * cost / run.tau,
                     steady_of_ideal=cell["steady_speedup"] * cost / run.tau)
-    return cell
+    return run, cell
 
 
 def lookup_cells(engine, prompts, plain: Run, costs: dict, k: int, max_tokens: int, row: dict,
@@ -91,18 +105,12 @@ def lookup_cells(engine, prompts, plain: Run, costs: dict, k: int, max_tokens: i
     model repeats its last token, so lookups hit from the first step: this is lookup's best
     case, tau near k + 1, where the host's drafting gap weighs most."""
     spec = {"method": "ngram", "num_speculative_tokens": k, "on_device": True}
-    default = engine.spec_pipeline.enabled
-    cost = costs.get(str(next(n for n in (2, 4, 8, 16, 32, 64) if n >= k + 1)))
+    cost = cost_at(costs, k + 1)
     run_requests(engine, prompts, spec, 16, f"warmlookup{batch}")
     for name, piped in (("lookup", True), ("lookup_host", False)):
-        engine.spec_pipeline.enabled = piped and engine.pipeline.enabled
-        chained = engine.spec_pipeline.chained_steps
-        try:
-            run = run_requests(engine, prompts, spec, max_tokens, f"{name}{batch}")
-        finally:
-            engine.spec_pipeline.enabled = default
-        row[name] = cell = make_cell(run, plain, plain.outputs, cost,
-                                     engine.spec_pipeline.chained_steps - chained)
+        run, cell = timed_cell(engine, prompts, spec, max_tokens, f"{name}{batch}", piped,
+                               plain, plain.outputs, cost)
+        row[name] = cell
         log(f"batch {batch} {name}: tau {run.tau:.2f}, {run.rate:.1f} tok/s, speedup "
             f"{cell['speedup']:.2f} (steady {cell['steady_speedup']:.2f})"
             + (f", {cell['of_ideal']:.0%} / {cell['steady_of_ideal']:.0%} of ideal"
@@ -160,7 +168,7 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
                 replay.record(p, o)
             row[f"{shape}_tau1_tokens_per_s"] = rec.rate
             rows = 1 + k * branches  # query rows per sequence: its bucket in the cost curve
-            cost = costs.get(str(next(n for n in (2, 4, 8, 16, 32, 64) if n >= rows)))
+            cost = cost_at(costs, rows)
             # Untimed: captures the graphs of the smaller batches that appear as requests
             # finish at different steps, and meets every kernel the accepted paths use (at
             # batch 1 the first KV compaction of a side branch fell inside the timed tau-2
@@ -176,16 +184,10 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
                 (shape, True),)
             for (name, piped), tau in ((m, t) for m in modes for t in taus):
                 rate = replay.rate_for_tau(tau, k)
-                engine.spec_pipeline.enabled = piped and engine.pipeline.enabled
-                chained = engine.spec_pipeline.chained_steps
-                try:
-                    run = run_requests(engine, prompts, {**base, "corrupt_rate": rate},
-                                       max_tokens, f"s{batch}{name}{tau}")
-                finally:
-                    engine.spec_pipeline.enabled = default_spec_overlap
-                cell = {"corrupt_rate": rate, **make_cell(
-                    run, plain, rec.outputs, cost, engine.spec_pipeline.chained_steps - chained)}
-                row[f"{name}_tau{tau}"] = cell
+                run, cell = timed_cell(engine, prompts, {**base, "corrupt_rate": rate},
+                                       max_tokens, f"s{batch}{name}{tau}", piped, plain,
+                                       rec.outputs, cost)
+                row[f"{name}_tau{tau}"] = cell = {"corrupt_rate": rate, **cell}
                 log(f"batch {batch} {name} tau {tau}: measured tau {run.tau:.2f}, "
                     f"{run.rate:.1f} tok/s, speedup {cell['speedup']:.2f} "
                     f"(steady {cell['steady_speedup']:.2f})"
