@@ -33,8 +33,12 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, draft_model: str, target: ModelConfig, cache: CacheConfig,
                  target_vocab: dict[str, int] | None = None, **_: Any) -> None:
+        # Where the target runs quantized (the CPU), the draft runs in 4 bits: its guesses need
+        # not be exact (the target verifies them), only cheap. Q5_0 -> 4 bits costs little
+        # acceptance and 40% of the draft's bytes (bench/results/cpu_draft_*.json).
+        quant = "none" if target.quantization == "none" else DRAFT_QUANTIZATION
         mc = resolve_model_config(ModelConfig(model=draft_model, dtype=target.dtype,
-                                              device=target.device))
+                                              device=target.device, quantization=quant))
         if mc.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {draft_model!r} has vocab_size {mc.vocab_size}, the "
                              f"target {target.vocab_size}: a draft model must share the "
@@ -50,6 +54,10 @@ class DraftModelDrafter(Drafter):
                               cpu_kv_bytes=cache.cpu_kv_bytes // 2,
                               gpu_memory_utilization=cache.gpu_memory_utilization * 0.25)
         self.runner = ModelRunner(mc, draft_cache)
+        if mc.quantization != "none" and DRAFT_VOCAB < mc.vocab_size:
+            tok = target_tokenizer_ids(mc.path)
+            self.runner.model.lm_head = ReducedHead(self.runner.model.lm_head,
+                                                    draft_vocab_ids(tok, DRAFT_VOCAB))
         self.blocks = BlockManager(self.runner.num_blocks, draft_cache.block_size, False)
         self.vocab_size = mc.vocab_size
         self._seqs: dict[str, Sequence] = {}
@@ -146,6 +154,52 @@ class DraftModelDrafter(Drafter):
         s = self._seqs.pop(request_id, None)
         if s is not None:
             self.blocks.free_seq(s)
+
+
+DRAFT_QUANTIZATION = "int4"
+DRAFT_VOCAB = 32768
+
+
+def target_tokenizer_ids(path: str | None) -> tuple[int, list[int]]:
+    """(base vocabulary size, ids of added and special tokens) of a model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return len(tok), sorted(set(tok.all_special_ids) | set(tok.added_tokens_decoder))
+
+
+def draft_vocab_ids(tok: tuple[int, list[int]], size: int) -> torch.Tensor:
+    """The draft's output vocabulary: the `size` lowest ids (byte-level BPE numbers tokens in
+    merge order, so these are the most frequent pieces) and every added or special token (FIM
+    markers, end of turn)."""
+    _, special = tok
+    return torch.tensor(sorted(set(range(size)) | set(special)), dtype=torch.int64)
+
+
+class ReducedHead(torch.nn.Module):
+    """The draft's output layer over a subset of the vocabulary; other tokens get -inf logits.
+
+    Exact for speculation: a proposal distribution may be anything the verifier is told; here
+    it is the draft's softmax over the subset (zero elsewhere), which is what _pick draws from
+    and what the verifier reads."""
+
+    def __init__(self, head: torch.nn.Module, ids: torch.Tensor) -> None:
+        super().__init__()
+        from specdec.models.quant_linear import QuantLinear
+
+        self.ids = ids
+        self.vocab = head.out_features
+        if isinstance(head, QuantLinear):
+            assert len(head.parts) == 1
+            self.sub: torch.nn.Module = QuantLinear([head.parts[0].select(ids)], None)
+        else:
+            self.sub = torch.nn.Linear(head.in_features, len(ids), bias=False)
+            self.sub.weight = torch.nn.Parameter(head.weight[ids].detach(), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, V]
+        out = torch.full((h.shape[0], self.vocab), float("-inf"), dtype=torch.float32)
+        out[:, self.ids] = self.sub(h).float()
+        return out
 
 
 def _pick(q: torch.Tensor, reqs: list[DraftRequest]) -> torch.Tensor:  # [A] int64

@@ -24,6 +24,11 @@ class ModelConfig:
     device: str = "cpu"
     load_format: str = "auto"  # "auto" | "dummy" (random weights from config.json alone)
     max_model_len: int | None = None
+    # "auto": a GGUF's weights stay quantized as the file holds them (on the CPU, float32
+    # activations), other sources load as `dtype`; "int4" / "int8": every GGUF weight in that
+    # kind; "none": dequantized to `dtype` (the exact float path). Resolved to one of
+    # "none" | "auto" | "int4" | "int8" by resolve_model_config.
+    quantization: str = "auto"
     # Filled in by resolve_config:
     path: str | None = None  # resolved local HF-style directory
     hf_config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
@@ -56,7 +61,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.85  # fraction of free device memory for KV on CUDA
-    cpu_kv_bytes: int = 2 << 30  # KV budget on the CPU
+    cpu_kv_bytes: int = 512 << 20  # KV budget on the CPU (9k tokens of the 1.5b preset)
     num_blocks: int | None = None  # explicit override; resolved otherwise
     enable_prefix_caching: bool = True
 
@@ -152,4 +157,21 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     max_len = mc.max_model_len or int(hf.get("max_position_embeddings", 4096))
     max_len = min(max_len, 32768)
     return replace(mc, path=str(path), hf_config=hf, eos_token_ids=_eos_ids(path, hf),
-                   max_model_len=max_len)
+                   max_model_len=max_len, quantization=_quantization(mc, path))
+
+
+def _quantization(mc: ModelConfig, path: Path) -> str:
+    from specdec.models.gguf_weights import QUANTIZATIONS
+    from specdec.models.loader import gguf_source
+
+    q = mc.quantization
+    if q not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {q!r}")
+    from_gguf = mc.load_format == "auto" and gguf_source(path) is not None
+    on_cpu_f32 = mc.device == "cpu" and mc.dtype == "float32"
+    if q == "auto":
+        return "auto" if from_gguf and on_cpu_f32 else "none"
+    if q != "none" and not (from_gguf and on_cpu_f32):
+        raise ValueError(f"quantization={q!r} needs a GGUF model on the CPU with dtype float32 "
+                         f"(got {mc.model!r} on {mc.device}, {mc.dtype}); use 'none' or 'auto'")
+    return q

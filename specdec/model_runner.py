@@ -7,6 +7,9 @@ and, for trees, an ancestor mask.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 from dataclasses import dataclass
 
 import torch
@@ -46,16 +49,27 @@ def kv_bytes_per_block(mc: ModelConfig, block_size: int) -> int:
     return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * elem
 
 
+def _kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache. On the CPU its pages come from an anonymous mapping, which the OS
+    zero-fills on first touch, so memory is committed as blocks are used, not all at start."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    buf = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, mc: ModelConfig, cc: CacheConfig, attention_backend: str = "auto"):
         self.mc = mc
         self.device = torch.device(mc.device)
         self.dtype = mc.torch_dtype
-        self.model = build_model(mc.hf_config, mc.path, self.dtype, self.device, mc.load_format)
+        self.model = build_model(mc.hf_config, mc.path, self.dtype, self.device, mc.load_format,
+                                 mc.quantization)
         self.block_size = cc.block_size
         self.num_blocks = cc.num_blocks or self._budget_blocks(mc, cc)
-        self.kv = torch.zeros(mc.num_layers, 2, self.num_blocks, cc.block_size,
-                              mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+        self.kv = _kv_cache((mc.num_layers, 2, self.num_blocks, cc.block_size, mc.num_kv_heads,
+                             mc.head_dim), self.dtype, self.device)
         self.backend = get_attention_backend(attention_backend, self.device)
         self.vocab_size = mc.vocab_size
         # --- CUDA graphs: CUDA with the Triton backend only; None keeps every step eager. ---

@@ -229,7 +229,7 @@ def _write_tiny_gguf(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def test_tiny_gguf_converts_with_hf_names_and_unpermuted_qk(tmp_path: Path) -> None:
-    from safetensors.torch import load_file
+    from specdec.models.gguf_weights import load_tensors
 
     src = tmp_path / "tiny.gguf"
     hf, cfg = _write_tiny_gguf(src)
@@ -245,7 +245,10 @@ def test_tiny_gguf_converts_with_hf_names_and_unpermuted_qk(tmp_path: Path) -> N
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [config["vocab_size"] - 1]
 
-    weights = load_file(str(out / "model.safetensors"))
+    # No weights are written: the directory points at the GGUF, read at load time.
+    assert not list(out.glob("*.safetensors"))
+    assert json.loads((out / "specdec_source.json").read_text())["gguf"] == str(src.resolve())
+    weights = dict(load_tensors(src, config, "none"))
     for key, ref in hf.items():
         torch.testing.assert_close(weights[key], ref, rtol=0, atol=0, msg=key)
     assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
@@ -255,7 +258,7 @@ def test_tiny_gguf_converts_with_hf_names_and_unpermuted_qk(tmp_path: Path) -> N
 def test_pull_smollm2_real_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pull the real preset into the user's cache (instant when warm) and check its shape."""
     monkeypatch.undo()  # use the real cache so repeated runs and other tests share one copy
-    from safetensors import safe_open
+    from specdec.models.gguf_weights import load_tensors
 
     out = hub.pull("smollm2-135m", progress=False)
     assert hub.resolve_model_path("smollm2-135m", progress=False) == out
@@ -266,9 +269,9 @@ def test_pull_smollm2_real_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     assert 2 in gen["eos_token_id"]  # <|im_end|>, the chat turn end
     tok = json.loads((out / "tokenizer.json").read_text())
     assert len(tok["model"]["vocab"]) == 49152
-    with safe_open(str(out / "model.safetensors"), "pt") as f:
-        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")  # [576, 576]
-    assert q.dtype == torch.float32
+    gguf_path = hub.cache_root() / "gguf" / hub.PRESETS["smollm2-135m"].gguf_name
+    q = dict(load_tensors(gguf_path, config, "none"))["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == torch.float32 and q.shape == (576, 576)
 
     # Independent of transformers: dequantize the GGUF's q rows and undo llama.cpp's permutation.
     gguf = pytest.importorskip("gguf")

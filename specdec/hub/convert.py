@@ -1,7 +1,10 @@
-"""Convert a GGUF file into an HF-style directory (config, float32 safetensors, tokenizer).
+"""Turn a GGUF file into an HF-style directory that takes its weights from the GGUF itself.
 
-The weights are dequantized to float32 so the directory holds exactly the values llama.cpp
-would compute with; no requantization error is added on top of the GGUF's own.
+The directory holds config.json, the tokenizer, generation_config.json and
+specdec_source.json (`{"weights": "gguf", "gguf": PATH}`); no weight is written. The loader
+(specdec/models/loader.py) reads the GGUF's tensors at start: kept quantized
+(specdec/models/gguf_weights.py), or dequantized to float exactly as llama.cpp's own
+dequantization does, so the cache never holds a float copy of a model.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 # Tokens that end a turn in the chat templates of the model families we ship; a model that
@@ -31,35 +33,10 @@ def _eos_ids(config: object, tokenizer: object) -> list[int]:
     return sorted(set(ids))
 
 
-def _load_weights(gguf_path: Path, config: object) -> torch.nn.Module:
-    """Build the model on the meta device and assign the dequantized GGUF tensors to it.
+def _has_output_layer(gguf_path: Path) -> bool:
+    from gguf import GGUFReader
 
-    We call transformers' GGUF tensor reader directly rather than
-    `AutoModelForCausalLM.from_pretrained(gguf_file=...)`: that path requires `accelerate`, and its
-    newer packed-weight loader marks the model non-serializable. The reader applies the same
-    name map and the same inverse of llama.cpp's q/k row permutation (checked in the tests).
-    Building on meta avoids holding a second float32 copy of every weight.
-    """
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(
-        str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-    )["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    del tensors
-    tied = getattr(config, "tie_word_embeddings", False)
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise RuntimeError(
-            f"GGUF {gguf_path.name} does not match {type(model).__name__}: "
-            f"missing {missing[:8]}, unexpected {unexpected[:8]}"
-        )
-    if tied and model.get_output_embeddings().weight.is_meta:
-        model.tie_weights()
-    return model
+    return any(t.name == "output.weight" for t in GGUFReader(str(gguf_path)).tensors)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
@@ -73,20 +50,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     src_dir, name = str(gguf_path.parent), gguf_path.name
-    stages = tqdm(total=4, desc=f"convert {name}", disable=not progress, unit="stage")
+    stages = tqdm(total=3, desc=f"prepare {name}", disable=not progress, unit="stage")
     try:
         stages.set_postfix_str("config + tokenizer")
         config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
         stages.update()
 
-        stages.set_postfix_str("dequantize weights")
-        model = _load_weights(gguf_path, config)
-        stages.update()
+        # A file with its own output layer uses it, as llama.cpp does, even where the original
+        # checkpoint tied it to the embedding (the GGUF may quantize the two differently).
+        if getattr(config, "tie_word_embeddings", False) and _has_output_layer(gguf_path):
+            config.tie_word_embeddings = False
+        if not getattr(config, "architectures", None):
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        stages.set_postfix_str("save safetensors")
-        model.save_pretrained(tmp)
-        del model
+            config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+        config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         stages.update()
 
@@ -98,11 +77,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         )
         gen.save_pretrained(tmp)
         (tmp / "specdec_source.json").write_text(
-            json.dumps({"gguf": str(gguf_path), "size": gguf_path.stat().st_size}, indent=2)
+            json.dumps({"weights": "gguf", "gguf": str(gguf_path),
+                        "size": gguf_path.stat().st_size}, indent=2)
         )
         stages.update()
 
-        # mkdtemp and the safetensors writer make owner-only files; the cache is shared.
+        # mkdtemp makes an owner-only directory; the cache is shared.
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)

@@ -1,9 +1,10 @@
 """Turn a preset name, HF directory or GGUF file into a local HF-style model directory.
 
 Cache layout under `cache_root()`:
-    gguf/<preset gguf_name>      assembled, checksum-verified GGUF (kept: see `pull`)
-    models/<preset name>/        converted HF directory of a preset
-    converted/<stem>-<key>/      converted HF directory of a user GGUF file
+    gguf/<preset gguf_name>      assembled, checksum-verified GGUF: the weights
+    models/<preset name>/        config, tokenizer and a pointer to the GGUF (no weights)
+    converted/<stem>-<key>/      the same for a user's GGUF file
+    kernels/                     the compiled CPU kernels (specdec/cpu_kernels/build.py)
     locks/<name>.lock            serialises concurrent pulls of the same thing
 """
 
@@ -13,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,21 +48,28 @@ def default_draft_for(name_or_path: str) -> str | None:
     return preset.draft if preset is not None else None
 
 
-def pull(name: str, progress: bool = True) -> Path:
-    """Install a preset (download, assemble, verify sha256, convert); instant when cached.
+def _current(out_dir: Path) -> bool:
+    """A finished conversion of the current layout. One from before weights stayed in the GGUF
+    (float32 safetensors, 4-8x the file) is removed, so that upgrading frees its disk."""
+    if not out_dir.is_dir():
+        return False
+    src = out_dir / "specdec_source.json"
+    if src.is_file() and json.loads(src.read_text()).get("weights") == "gguf":
+        return True
+    shutil.rmtree(out_dir)
+    return False
 
-    The assembled GGUF is kept for every preset: it is 4-8x smaller than the float32 directory,
-    so keeping it is cheap, and it lets a reconversion (e.g. after a transformers upgrade) skip
-    the download.
-    """
+
+def pull(name: str, progress: bool = True) -> Path:
+    """Install a preset (download, assemble, verify sha256, prepare); instant when cached."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
     preset = PRESETS[name]
     out_dir = cache_root() / "models" / name
-    if out_dir.is_dir():
+    if (out_dir / "specdec_source.json").is_file() and _current(out_dir):
         return out_dir
     with _lock(name):
-        if out_dir.is_dir():
+        if _current(out_dir):
             return out_dir
         gguf = cache_root() / "gguf" / preset.gguf_name
         if not gguf.is_file():
@@ -69,12 +78,18 @@ def pull(name: str, progress: bool = True) -> Path:
 
 
 def check_hf_dir(path: Path) -> Path:
-    """Return `path` if it has config, safetensors weights and a tokenizer; else say what lacks."""
+    """Return `path` if it has config, weights (safetensors, or a GGUF it points to) and a
+    tokenizer; else say what it lacks."""
     missing: list[str] = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
     index = path / "model.safetensors.index.json"
-    if index.is_file():
+    src = path / "specdec_source.json"
+    if src.is_file() and json.loads(src.read_text()).get("weights") == "gguf":
+        gguf = Path(json.loads(src.read_text())["gguf"])
+        if not gguf.is_file():
+            missing.append(f"the GGUF file it takes its weights from ({gguf})")
+    elif index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         missing += [f"{s} (listed in {index.name})" for s in shards if not (path / s).is_file()]
     elif not any(path.glob("*.safetensors")):
@@ -115,10 +130,10 @@ def resolve_model_path(name_or_path: str, progress: bool = True) -> Path:
     if path.is_file() and path.suffix.lower() == ".gguf":
         path = path.resolve()
         out_dir = _gguf_cache_dir(path)
-        if out_dir.is_dir():
+        if (out_dir / "specdec_source.json").is_file() and _current(out_dir):
             return out_dir
         with _lock(out_dir.name):
-            if out_dir.is_dir():
+            if _current(out_dir):
                 return out_dir
             return convert.convert_gguf(path, out_dir, progress)
     if path.suffix.lower() == ".gguf":

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from specdec.models.llama import ARCHITECTURES, LlamaForCausalLM
 
@@ -28,29 +30,80 @@ def architecture_of(hf: dict[str, Any]) -> str:
                      f"supported: {', '.join(sorted(ARCHITECTURES))}")
 
 
+@contextmanager
+def _skip_init() -> Iterator[None]:
+    """Build modules without drawing their initial weights: every weight is loaded or drawn
+    later. (Building on the meta device instead would run PyTorch's Python reference ops, which
+    import torch._dynamo, and with it Triton, into a CPU-only process.)"""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def gguf_source(path: str | Path | None) -> Path | None:
+    """The GGUF file a converted model directory takes its weights from, if it is one."""
+    if path is None:
+        return None
+    src = Path(path) / "specdec_source.json"
+    if not src.is_file():
+        return None
+    meta = json.loads(src.read_text())
+    if meta.get("weights") != "gguf":
+        return None  # an older conversion that wrote float32 safetensors beside it
+    gguf = Path(meta["gguf"])
+    if not gguf.is_file():
+        raise FileNotFoundError(f"{path} takes its weights from {gguf}, which no longer exists")
+    return gguf
+
+
 def build_model(hf: dict[str, Any], path: str | None, dtype: torch.dtype,
-                device: torch.device, load_format: str = "auto") -> LlamaForCausalLM:
+                device: torch.device, load_format: str = "auto", quantization: str = "none"
+                ) -> LlamaForCausalLM:
+    """quantization: "none" loads float weights of `dtype`; otherwise (a GGUF source on the CPU)
+    the linear layers and embeddings stay quantized (specdec/models/gguf_weights.py)."""
     arch = architecture_of(hf)
-    with torch.device("meta"):
+    with _skip_init():  # uninitialised CPU memory: no page is touched until a weight lands
         model = LlamaForCausalLM(hf, ARCHITECTURES[arch])
+    gguf = gguf_source(path) if load_format == "auto" else None
+    if gguf is not None and quantization != "none":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError("quantized weights run on the CPU with float32 activations; "
+                             "use quantization='none' for other devices and dtypes")
+        from specdec.models.quant_model import load_quantized
+
+        model = load_quantized(model, gguf, quantization)
+        _init_rope(model, hf, device)
+        return model.eval()
     model = model.to_empty(device=device).to(dtype)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    head_dim = model.model.rotary.inv_freq.numel() * 2
-    from specdec.models.rope import inverse_frequencies
-
-    inv, _ = inverse_frequencies(head_dim, hf)
-    model.model.rotary.inv_freq = inv.to(device)
+    _init_rope(model, hf, device)
     if load_format == "dummy":
         _init_random(model)
     elif load_format == "auto":
         if path is None:
             raise ValueError("a model path is needed to load weights")
-        load_weights(model, Path(path))
+        if gguf is not None:
+            from specdec.models.gguf_weights import load_tensors
+
+            load_weights(model, load_tensors(gguf, hf, "none"), str(gguf))
+        else:
+            load_weights(model, _tensors(Path(path)), str(path))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     model.fused = _can_fuse(model, device)
     return model.eval()
+
+
+def _init_rope(model: LlamaForCausalLM, hf: dict[str, Any], device: torch.device) -> None:
+    from specdec.models.rope import inverse_frequencies
+
+    head_dim = model.model.rotary.inv_freq.numel() * 2
+    inv, _ = inverse_frequencies(head_dim, hf)
+    model.model.rotary.inv_freq = inv.to(device)
 
 
 def _can_fuse(model: LlamaForCausalLM, device: torch.device) -> bool:
@@ -94,10 +147,11 @@ def _tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Any]], source: str
+                 ) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for name, tensor in _tensors(path):
+    for name, tensor in tensors:
         if "rotary_emb" in name:
             continue
         if name == "lm_head.weight" and model.tie_word_embeddings:
@@ -120,7 +174,7 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
         loaded.add(f"{target}#{shard}")
     missing = [n for n in params if not _covered(n, loaded, model)]
     if missing:
-        raise ValueError(f"checkpoint {path} lacks weights for: {missing[:8]}")
+        raise ValueError(f"checkpoint {source} lacks weights for: {missing[:8]}")
 
 
 def _shard_sizes(model: LlamaForCausalLM, target: str) -> list[int]:

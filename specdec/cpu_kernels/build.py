@@ -1,0 +1,143 @@
+"""Compile quant_matmul.c on first use and load it through ctypes.
+
+Two builds of the same source: `avx512` (AVX-512 F/BW/VL with VNNI, where /proc/cpuinfo reports
+them) and `portable` (plain C, vectorised by the compiler for this machine). `choose_isa` times
+both on a decode-sized matmul and keeps the faster, so the choice follows the CPU, not a guess.
+The shared objects live in the cache (`$SPECDEC_CACHE/kernels`), keyed by the source, the flags
+and the CPU's flags: a fresh machine compiles them once (about a second with gcc).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("quant_matmul.c")
+ISAS = ("avx512", "portable")
+_FLAGS = {
+    "avx512": ["-DSD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
+               "-mf16c"],
+    "portable": ["-march=native"],
+}
+_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "portable": set()}
+
+
+class KernelUnavailable(RuntimeError):
+    """This machine cannot build or run the requested kernel build."""
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported(isa: str) -> bool:
+    return _NEEDS[isa] <= cpu_flags()
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise KernelUnavailable("no C compiler (gcc or cc) on PATH to build the quantized "
+                                "CPU kernels; install one (apt-get install gcc) or load with "
+                                "quantization='none'")
+    return cc
+
+
+def _cache_dir() -> Path:
+    from specdec.hub.resolve import cache_root
+
+    return cache_root() / "kernels"
+
+
+def _argtypes(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.sd_quantize_rows.argtypes = [p, i64, i64, p, p, p]
+    lib.sd_quantize_rows.restype = None
+    for name in ("sd_q4_matmul", "sd_q8_matmul"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, p, i64]
+        fn.restype = None
+    lib.sd_isa.restype = ctypes.c_int
+    return lib
+
+
+@cache
+def load(isa: str) -> ctypes.CDLL:
+    """The compiled build `isa`, compiled now if the cache lacks it."""
+    if isa not in ISAS:
+        raise ValueError(f"cpu kernel must be one of {ISAS} or 'auto', got {isa!r}")
+    if not supported(isa):
+        raise KernelUnavailable(f"this CPU lacks {sorted(_NEEDS[isa] - cpu_flags())} "
+                                f"for the {isa} kernels")
+    cc = _compiler()
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_FLAGS[isa]]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode()
+                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"quant_matmul-{isa}-{key}.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
+        os.close(fd)
+        try:
+            run = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"],
+                                 capture_output=True, text=True, check=False)
+            if run.returncode != 0:
+                raise KernelUnavailable(f"building the {isa} CPU kernels failed:\n{run.stderr}")
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, out)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    # torch is imported first, so the OpenMP runtime the library links (libgomp.so.1) is the
+    # one torch already loaded: one thread pool, sized by torch.set_num_threads.
+    return _argtypes(ctypes.CDLL(str(out)))
+
+
+def _time_isa(isa: str) -> float:
+    from specdec.models.quant_linear import QuantWeight, quant_matmul
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 2048, 1536  # a decode-sized layer; 32 copies overflow the last-level cache
+    ws = [QuantWeight.random("q4", n, k, gen) for _ in range(32)]
+    x = torch.randn(1, k, generator=gen)
+    quant_matmul(x, ws[0], isa=isa)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for w in ws:
+            quant_matmul(x, w, isa=isa)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@cache
+def choose_isa() -> str:
+    """The fastest build this CPU can run, by timing each on one decode-sized matmul."""
+    times: dict[str, float] = {}
+    errors: list[str] = []
+    for isa in ISAS:
+        if not supported(isa):
+            continue
+        try:
+            load(isa)
+            times[isa] = _time_isa(isa)
+        except KernelUnavailable as e:
+            errors.append(str(e))
+    if not times:
+        raise KernelUnavailable("; ".join(errors) or "no CPU kernel build is usable here")
+    return min(times, key=times.__getitem__)

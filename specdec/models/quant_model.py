@@ -1,0 +1,88 @@
+"""Fill an unloaded LlamaForCausalLM from a GGUF file with its weights kept quantized.
+
+Each linear layer becomes a QuantLinear (q, k and v in one layer, gate and up in another, as the
+float model fuses them), the embedding a QuantEmbedding, and the output layer a QuantLinear over
+`output.weight` (or over the embedding's table when the file ties them). Norms and biases are
+float32. No float copy of a quantized weight is ever made.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.models.gguf_weights import load_tensors
+from specdec.models.llama import LlamaForCausalLM
+from specdec.models.quant_linear import QuantEmbedding, QuantLinear, QuantWeight
+
+_PARTS = {  # our fused layer -> its HF parts, in output order
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def _set(root: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, _, leaf = dotted.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def _linear(weights: dict[str, QuantWeight | torch.Tensor], biases: dict[str, torch.Tensor],
+            names: tuple[str, ...], where: str) -> QuantLinear:
+    parts = []
+    for n in names:
+        w = weights.pop(f"{n}.weight", None)
+        if not isinstance(w, QuantWeight):
+            raise ValueError(f"GGUF tensor {n}.weight is missing or cannot stay quantized "
+                             f"({where}); load it with quantization='none'")
+        parts.append(w)
+    bs = [biases.pop(f"{n}.bias", None) for n in names]
+    bias = None
+    if any(b is not None for b in bs):
+        bias = torch.cat([b if b is not None else torch.zeros(p.n) for b, p in zip(bs, parts)])
+    return QuantLinear(parts, bias)
+
+
+@torch.no_grad()
+def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str) -> LlamaForCausalLM:
+    weights: dict[str, QuantWeight | torch.Tensor] = {}
+    for name, w in load_tensors(gguf, model.hf, quantization):
+        weights[name] = w
+    biases = {k: weights.pop(k) for k in list(weights) if k.endswith(".bias")}
+    for i in range(len(model.model.layers)):
+        for ours, theirs in _PARTS.items():
+            prefix = f"model.layers.{i}."
+            layer = _linear(weights, biases, tuple(prefix + t for t in theirs), str(gguf))
+            _set(model, prefix + ours, layer)
+    embed = weights.pop("model.embed_tokens.weight", None)
+    if embed is None:
+        raise ValueError(f"{gguf} has no token_embd.weight")
+    model.model.embed_tokens = (QuantEmbedding(embed) if isinstance(embed, QuantWeight)
+                                else nn.Embedding.from_pretrained(embed, freeze=True))
+    head = weights.pop("lm_head.weight", None)
+    if head is None:  # tied: the output layer reads the embedding's table
+        head = embed
+    model.tie_word_embeddings = head is embed
+    model.lm_head = (QuantLinear([head], None) if isinstance(head, QuantWeight)
+                     else _float_linear(head))
+    # What is left (norms, q/k norms) are float parameters still to fill.
+    params = dict(model.named_parameters())
+    for name, t in weights.items():
+        if name not in params:
+            raise ValueError(f"GGUF tensor {name!r} has no place in the model")
+        params[name].copy_(t)
+        del params[name]
+    if params:
+        raise ValueError(f"{gguf} lacks weights for: {sorted(params)[:8]}")
+    if biases:
+        raise ValueError(f"GGUF biases with no layer: {sorted(biases)[:8]}")
+    return model
+
+
+def _float_linear(w: torch.Tensor) -> nn.Linear:
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight = nn.Parameter(w.float(), requires_grad=False)
+    return lin
