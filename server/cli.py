@@ -11,6 +11,7 @@ from typing import Any
 
 from server.app import build_app
 from server.async_engine import AsyncEngine
+from server.loading import LoadingApp, Progress
 
 log = logging.getLogger("specdec.server")
 
@@ -94,11 +95,48 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-async def _serve(aengine: AsyncEngine, args: argparse.Namespace) -> None:
+def _load(args: argparse.Namespace, progress: Progress) -> AsyncEngine:
+    """Everything the default configuration uses, pulled and loaded before the server says it
+    is ready: the target, the default drafter's model, and one short warm-up generation (it
+    compiles and chooses the CPU kernels, or captures the CUDA graphs)."""
+    from specdec.engine import LLMEngine
+    from specdec.hub import PRESETS, default_draft_for, pull
+    from specdec.sampling_params import SamplingParams
+
+    kw = engine_kwargs(args)
+    spec = kw.get("speculative")
+    draft = (spec or {}).get("draft_model") if spec else default_draft_for(args.model)
+    for name in (args.model, draft):
+        if name in PRESETS:
+            progress.enter(f"pulling {name} (download and prepare once, then cached)")
+            pull(name, progress=False)
+    progress.enter(f"loading {args.model}")
+    t0 = time.monotonic()
+    engine = LLMEngine.from_args(**kw)
+    log.info("loaded %s in %.1f s", args.model, time.monotonic() - t0)
+    if engine.default_spec.method != "none":
+        progress.enter(f"loading the {engine.default_spec.method} drafter"
+                       + (f" ({engine.default_spec.draft_model})"
+                          if engine.default_spec.draft_model else ""))
+        engine.load_default_drafter()
+    if engine.runner.graphs is not None:
+        progress.enter("capturing CUDA graphs")
+        t0 = time.monotonic()
+        n = engine.runner.graphs.capture_all(engine.config.scheduler.max_num_seqs, 16)
+        log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
+    progress.enter("warming up")
+    engine.add_request("warm-up", [0], SamplingParams(max_tokens=4, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    return AsyncEngine(engine, max_waiting=args.max_waiting)
+
+
+async def _serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
-    app = build_app(aengine, api_key=args.api_key, model_name=args.served_model_name)
+    progress = Progress()
+    loading = LoadingApp(progress)
     config = Config()
     config.bind = [f"{args.host}:{args.port}"]
     config.accesslog = None
@@ -106,11 +144,13 @@ async def _serve(aengine: AsyncEngine, args: argparse.Namespace) -> None:
     config.graceful_timeout = 5.0  # connections are idle by then: the engine drained first
     stop = asyncio.Event()
     drained: list[asyncio.Task[None]] = []
+    engines: list[AsyncEngine] = []
 
     async def drain() -> None:
         log.info("shutting down: finishing in-flight requests (grace %.0fs)",
                  args.shutdown_grace)
-        await aengine.shutdown(args.shutdown_grace)
+        if engines:
+            await engines[0].shutdown(args.shutdown_grace)
         stop.set()
 
     def on_signal() -> None:
@@ -122,21 +162,31 @@ async def _serve(aengine: AsyncEngine, args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    log.info("serving %s on http://%s:%d", args.model, args.host, args.port)
-    await serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+
+    async def load() -> None:
+        t0 = time.monotonic()
+        try:
+            aengine = await asyncio.to_thread(_load, args, progress)
+        except Exception as e:  # stay up to say why, as /health and in the log
+            log.exception("loading failed")
+            progress.fail(f"{type(e).__name__}: {e}")
+            return
+        engines.append(aengine)
+        loading.ready(build_app(aengine, api_key=args.api_key,
+                                model_name=args.served_model_name))
+        log.info("ready after %.1f s: serving %s on http://%s:%d", time.monotonic() - t0,
+                 args.model, args.host, args.port)
+
+    log.info("listening on http://%s:%d; /health answers 503 until the models are loaded",
+             args.host, args.port)
+    loader = asyncio.ensure_future(load())
+    await serve(loading, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    loader.cancel()
 
 
 def serve_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from specdec.engine import LLMEngine
-
-    engine = LLMEngine.from_args(**engine_kwargs(args))
-    if engine.runner.graphs is not None:
-        t0 = time.monotonic()
-        n = engine.runner.graphs.capture_all(engine.config.scheduler.max_num_seqs, 16)
-        log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
-    aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
-    asyncio.run(_serve(aengine, args))
+    asyncio.run(_serve(args))
     return 0

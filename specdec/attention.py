@@ -160,13 +160,18 @@ class TorchAttentionBackend:
 
 
 def get_attention_backend(name: str, device: torch.device):
-    """'auto' picks Triton on CUDA and the PyTorch reference elsewhere."""
+    """'auto' picks Triton on CUDA and the row kernel on the CPU (specdec/cpu_kernels)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        from specdec.cpu_kernels.attention import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "triton":
         from verify_kernels.backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}: choose 'torch', 'triton' or 'auto'")
+    raise ValueError(f"unknown attention backend {name!r}: choose 'cpu', 'torch', 'triton' "
+                     "or 'auto'")

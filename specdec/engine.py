@@ -177,6 +177,13 @@ class LLMEngine:
                 target_model=self.runner.model, options=self.default_spec.options)
         return self._drafters[key]
 
+    def load_default_drafter(self) -> None:
+        """Build the engine-wide default drafter now (a draft model loads its weights), so that
+        no request pays for it; the server calls this before it reports ready."""
+        spec = self.default_spec
+        if spec.method != "none":
+            self._drafter(spec.method, spec.draft_model)
+
     def abort_request(self, request_id: str) -> None:
         seq = self.seqs.get(request_id)
         if seq is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import mmap
-
 from dataclasses import dataclass
 
 import torch

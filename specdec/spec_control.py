@@ -10,17 +10,25 @@ from costs measured online and each request's acceptance so far; k = 0 is plain 
 The pass without drafts is measured first; an unmeasured larger pass is assumed to cost what the
 largest measured smaller one did, so the controller tries larger trees once and retreats when
 they turn out to be expensive.
+
+A shared machine only ever adds time to a step, so a cost is the fastest of its recent
+measurements, not their mean: a few steps slowed by another process do not make speculation look
+expensive. And a controller that has settled on plain decoding still probes the full depth now
+and then (every PROBE_EVERY steps), so that costs and acceptance measured in a bad moment are
+measured again instead of deciding "never".
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from specdec.outputs import SpecMetrics
 
 PRIOR_ACCEPT = 0.6  # acceptance assumed before a request has any history
 PRIOR_WEIGHT = 2.0  # ... worth this many draft tokens of evidence
-EMA = 0.3
+WINDOW = 16  # recent measurements kept per cost
+PROBE_EVERY = 32  # steps between probes of full depth while plain decoding wins
 
 
 def _bucket(n: int) -> int:
@@ -55,20 +63,24 @@ def expected_tokens(a: float, k: int) -> float:
 
 class SpeculationController:
     def __init__(self) -> None:
-        self.pass_time: dict[int, float] = {}  # bucketed query rows -> seconds per pass
-        self.draft_time: dict[str, float] = {}  # drafter method -> seconds per unit of depth
+        self._pass: dict[int, deque[float]] = {}  # bucketed query rows -> recent seconds
+        self._draft: dict[str, deque[float]] = {}  # drafter method -> seconds per depth
+        self.pass_time: dict[int, float] = {}  # the fastest recent pass per bucket
+        self.draft_time: dict[str, float] = {}  # the fastest recent drafting per unit of depth
+        self._since_probe = 0
 
     def record_pass(self, rows: int, seconds: float) -> None:
         b = _bucket(rows)
-        old = self.pass_time.get(b)
-        self.pass_time[b] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        window = self._pass.setdefault(b, deque(maxlen=WINDOW))
+        window.append(seconds)
+        self.pass_time[b] = min(window)
 
     def record_draft(self, method: str, depth: int, seconds: float) -> None:
         if depth <= 0:
             return
-        per = seconds / depth
-        old = self.draft_time.get(method)
-        self.draft_time[method] = per if old is None else (1 - EMA) * old + EMA * per
+        window = self._draft.setdefault(method, deque(maxlen=WINDOW))
+        window.append(seconds / depth)
+        self.draft_time[method] = min(window)
 
     def _pass_cost(self, rows: int) -> float:
         b = _bucket(rows)
@@ -99,4 +111,8 @@ class SpeculationController:
             rate = gain / cost if cost > 0 else float(gain)
             if rate > best_rate * 1.001:
                 best_k, best_rate = k, rate
+        self._since_probe = self._since_probe + 1 if best_k == 0 else 0
+        if self._since_probe >= PROBE_EVERY:
+            self._since_probe = 0
+            best_k = max(c.max_k for c in cands)
         return {c.request_id: min(best_k, c.max_k) for c in cands}

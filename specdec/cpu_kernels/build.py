@@ -73,6 +73,9 @@ def _argtypes(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, p, i64]
         fn.restype = None
+    lib.sd_attention.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, i64, p, p, p, p,
+                                 ctypes.c_float, p]
+    lib.sd_attention.restype = None
     lib.sd_isa.restype = ctypes.c_int
     return lib
 

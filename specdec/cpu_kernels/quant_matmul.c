@@ -26,6 +26,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef SD_AVX512
@@ -336,5 +337,73 @@ void sd_q8_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M,
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
         q8_rows(xq, xd, xs, M, K, qs, d, mn, bias, n0, n1, y, ldy);
+    }
+}
+
+/* ---- attention over the paged KV cache, one query row at a time ------------------------------
+ *
+ * Row r attends to the first row_prefix[r] positions of its sequence (read through its block
+ * table) and then to the cache slots extra_slots[extra_ptr[r] .. extra_ptr[r + 1]) in order (the
+ * tree ancestors of a verification row, and the row itself). Every row is computed on its own, in
+ * a fixed order of operations, so a row's result does not depend on which rows share its step: a
+ * verified draft token gets bit for bit the attention it would get when decoded alone, which
+ * keeps greedy speculative output equal to plain greedy output even where the weights and
+ * activations are quantized (a last-bit difference could otherwise flip an int8 rounding).
+ *
+ * q [T, Hq, D], kc/vc [slots, Hkv, D] float32, out [T, Hq, D]; D a multiple of 16, Hq / Hkv <= 16.
+ */
+#define LANES 16
+
+static inline float dot_fixed(const float *a, const float *b, int64_t D) {
+    float acc[LANES] = {0};
+    for (int64_t d = 0; d < D; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[d + l] * b[d + l];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+void sd_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *kc,
+                  const float *vc, const int32_t *block_tables, int64_t bt_stride, int64_t bs,
+                  const int32_t *row_seq, const int32_t *row_prefix, const int64_t *extra_ptr,
+                  const int64_t *extra_slots, float scale, float *out) {
+    const int64_t g = Hq / Hkv;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < T * Hkv; task++) {
+        const int64_t r = task / Hkv, h = task % Hkv;
+        const int32_t *table = block_tables + (int64_t)row_seq[r] * bt_stride;
+        const int64_t np = row_prefix[r], ne = extra_ptr[r + 1] - extra_ptr[r];
+        const int64_t S = np + ne;
+        float *s = (float *)malloc(sizeof(float) * (size_t)(S * g > 0 ? S * g : 1));
+        const float *qh = q + (r * Hq + h * g) * D;
+        for (int64_t i = 0; i < S; i++) {
+            const int64_t slot = i < np ? (int64_t)table[i / bs] * bs + i % bs
+                                        : extra_slots[extra_ptr[r] + i - np];
+            const float *kp = kc + (slot * Hkv + h) * D;
+            for (int64_t j = 0; j < g; j++) s[j * S + i] = dot_fixed(qh + j * D, kp, D) * scale;
+        }
+        for (int64_t j = 0; j < g; j++) {
+            float *sj = s + j * S, m = -INFINITY, sum = 0.0f;
+            for (int64_t i = 0; i < S; i++) m = fmaxf(m, sj[i]);
+            for (int64_t i = 0; i < S; i++) {
+                sj[i] = expf(sj[i] - m);
+                sum += sj[i];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t i = 0; i < S; i++) sj[i] *= inv;
+        }
+        float *o = out + (r * Hq + h * g) * D;
+        memset(o, 0, sizeof(float) * (size_t)(g * D));
+        for (int64_t i = 0; i < S; i++) {
+            const int64_t slot = i < np ? (int64_t)table[i / bs] * bs + i % bs
+                                        : extra_slots[extra_ptr[r] + i - np];
+            const float *vp = vc + (slot * Hkv + h) * D;
+            for (int64_t j = 0; j < g; j++) {
+                const float p = s[j * S + i];
+                float *oj = o + j * D;
+                for (int64_t d = 0; d < D; d++) oj[d] += p * vp[d];
+            }
+        }
+        free(s);
     }
 }

@@ -2,11 +2,11 @@
 
 Block types map onto `QuantWeight` (w = d * q + mn per group of 32) as follows:
 
-| GGUF type | kept as | how |
-|---|---|---|
-| Q4_0, Q4_1, Q4_K | q4 | the file's 4-bit values; d, mn per 32 from the block (Q4_K: d * sc, -dmin * m) |
-| Q5_0, Q5_1, Q8_0 | q8 | the file's 5- or 8-bit values and scales |
-| anything else (Q6_K, Q5_K, Q2_K, Q3_K, F16, BF16, F32, ...) | q8 | dequantized, then requantized symmetric, d = absmax / 127 per 32 |
+- Q4_0, Q4_1, Q4_K -> q4: the file's 4-bit values; d and mn per 32 from the block (Q4_K:
+  d * sc and -dmin * m).
+- Q5_0, Q5_1, Q8_0 -> q8: the file's 5- or 8-bit values and scales.
+- anything else (Q6_K, Q5_K, Q2_K, Q3_K, F16, BF16, F32, ...) -> q8: dequantized, then
+  requantized symmetric, d = absmax / 127 per 32.
 
 The only rounding the first two rows add is of d and mn to fp16 (Q4_K's d * sc and dmin * m are
 exact in float32 and rounded once). `quantization="int8"` keeps every type as q8, `"int4"` every

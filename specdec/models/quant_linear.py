@@ -27,7 +27,7 @@ KINDS = ("q4", "q8")
 @dataclass
 class QuantWeight:
     kind: str  # "q4" | "q8"
-    qs: torch.Tensor  # q4: [N, K/2] uint8 (see quant_matmul.c for the nibble order); q8: [N, K] int8
+    qs: torch.Tensor  # q4: [N, K/2] uint8, q8: [N, K] int8, in quant_matmul.c's kernel order
     d: torch.Tensor  # [N, K/32] float16
     mn: torch.Tensor | None  # [N, K/32] float16, or None: symmetric
     n: int

@@ -1,0 +1,237 @@
+"""specdec against llama.cpp on the CPU, side by side, on the same GGUF files.
+
+Three servers run at once, each idle while another is timed: llama.cpp's `llama-server` on the
+target alone, `llama-server` with the draft model (`-md DRAFT --draft-max 8`), and `specdec
+serve` with its defaults (plain requests send `"speculative": {"method": "none"}`; speculative
+ones send nothing, so they measure the default configuration). Every request is greedy, streams,
+and is forced to `--tokens` new tokens (`ignore_eos`); the engines take turns prompt by prompt.
+Decode tok/s is measured the same way for every engine, at the client: (tokens - 1) over the
+time from the first streamed token to the last. TTFT is the time to the first token. RSS is each
+server's resident memory after its requests (VmRSS), with its peak (VmHWM).
+
+    python bench/cpu_vs_llamacpp.py --out bench/results/cpu_vs_llamacpp_$(date +%Y%m%d).json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parent.parent
+PEER = REPO.parent / "shared" / "peers" / "llama.cpp" / "run"
+
+
+def _proc_kb(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server for {url} exited with {proc.returncode}")
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+
+
+def _stream(url: str, body: dict[str, Any], llama: bool) -> dict[str, Any]:
+    """One streamed request; client-side timings and the engine's own where it gives them."""
+    t0 = time.perf_counter()
+    first = last = None
+    text, final = [], {}
+    path = "/completion" if llama else "/v1/completions"
+    with httpx.stream("POST", url + path, json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            piece = ev.get("content", "") if llama else "".join(
+                c.get("text", "") for c in ev.get("choices", []))
+            if piece:
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+                text.append(piece)
+            if llama and ev.get("stop"):
+                final = ev
+            if not llama and ev.get("usage"):
+                final = ev
+    if llama:
+        n = int(final.get("tokens_predicted", 0))
+        engine_tps = final.get("timings", {}).get("predicted_per_second")
+        spec = None
+    else:
+        usage = final.get("usage", {})
+        n = int(usage.get("completion_tokens", 0))
+        engine_tps, spec = None, usage.get("speculative")
+    assert first is not None and last is not None
+    return {"tokens": n, "ttft_s": first - t0, "decode_tok_s": (n - 1) / max(last - first, 1e-9),
+            "total_s": last - t0, "engine_decode_tok_s": engine_tps, "speculative": spec,
+            "text": "".join(text)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--target", default="qwen2.5-coder-1.5b")
+    p.add_argument("--draft-max", type=int, default=8)
+    p.add_argument("--engines", default="llama_plain,llama_spec,specdec_plain,specdec_spec")
+    p.add_argument("--specdec-args", default="", help="extra `specdec serve` arguments")
+    a = p.parse_args()
+
+    from prompts import humaneval_texts
+
+    from specdec.hub import PRESETS, cache_root, pull
+
+    draft = PRESETS[a.target].draft
+    pull(a.target, progress=False)
+    pull(draft, progress=False)
+    tgt = cache_root() / "gguf" / PRESETS[a.target].gguf_name
+    dft = cache_root() / "gguf" / PRESETS[draft].gguf_name
+    engines = a.engines.split(",")
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    logs = Path(a.out).with_suffix(".servers.log").open("w")
+    try:
+        common = ["-t", str(a.threads), "-c", "4096", "-np", "1", "--no-webui"]
+        if "llama_plain" in engines:
+            servers["llama_plain"] = (subprocess.Popen(
+                [str(PEER), "llama-server", "-m", str(tgt), "--port", "8091", *common],
+                stdout=logs, stderr=logs, env=env), "http://127.0.0.1:8091")
+        if "llama_spec" in engines:
+            servers["llama_spec"] = (subprocess.Popen(
+                [str(PEER), "llama-server", "-m", str(tgt), "-md", str(dft), "--draft-max",
+                 str(a.draft_max), "--port", "8092", *common],
+                stdout=logs, stderr=logs, env=env), "http://127.0.0.1:8092")
+        if any(e.startswith("specdec") for e in engines):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "specdec.cli", "serve", "--model", a.target, "--port",
+                 "8093", *a.specdec_args.split()], stdout=logs, stderr=logs, env=env)
+            for e in ("specdec_plain", "specdec_spec"):
+                servers[e] = (proc, "http://127.0.0.1:8093")
+        t_start = {}
+        for name, (proc, url) in servers.items():
+            t0 = time.monotonic()
+            _wait_ready(url, proc, 1800)
+            t_start[name] = time.monotonic() - t0
+        texts = humaneval_texts(a.prompts)
+        results: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+        # One short warm-up request each (first-use costs: kernel choice, page faults).
+        for e in engines:
+            _run(e, servers[e][1], texts[0], 8)
+        for i, prompt in enumerate(texts):
+            order = engines if i % 2 == 0 else engines[::-1]
+            for e in order:
+                r = _run(e, servers[e][1], prompt, a.tokens)
+                results[e].append(r)
+                print(f"prompt {i} {e}: {r['decode_tok_s']:.2f} tok/s, ttft {r['ttft_s']:.2f} s"
+                      + (f", tau {r['speculative'].get('tau')}" if r.get("speculative") else ""),
+                      flush=True)
+        rss = {e: {"rss_mb": _proc_kb(servers[e][0].pid, "VmRSS") / 1024,
+                   "peak_rss_mb": _proc_kb(servers[e][0].pid, "VmHWM") / 1024}
+               for e in engines}
+    finally:
+        for proc, _ in {id(v[0]): v for v in servers.values()}.values():
+            proc.terminate()
+        for proc, _ in servers.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        logs.close()
+
+    summary = {e: {"decode_tok_s_median": statistics.median(r["decode_tok_s"] for r in rs),
+                   "ttft_s_median": statistics.median(r["ttft_s"] for r in rs),
+                   "ready_s": t_start.get(e), **rss[e]} for e, rs in results.items()}
+    ratios: dict[str, float] = {}
+    s = summary
+    if "llama_plain" in s and "specdec_plain" in s:
+        ratios["plain_decode_vs_llama_plain"] = (s["specdec_plain"]["decode_tok_s_median"]
+                                                 / s["llama_plain"]["decode_tok_s_median"])
+        ratios["rss_vs_llama_plain"] = s["specdec_plain"]["rss_mb"] / s["llama_plain"]["rss_mb"]
+    if "specdec_spec" in s:
+        best = max((s[e]["decode_tok_s_median"], e) for e in ("llama_plain", "llama_spec")
+                   if e in s)
+        ratios["spec_decode_vs_llama_best"] = s["specdec_spec"]["decode_tok_s_median"] / best[0]
+        ratios["llama_best"] = best[1]
+        if "specdec_plain" in s:
+            ratios["spec_vs_own_plain"] = (s["specdec_spec"]["decode_tok_s_median"]
+                                           / s["specdec_plain"]["decode_tok_s_median"])
+        if "llama_spec" in s:
+            ratios["rss_spec_vs_llama_spec"] = (s["specdec_spec"]["rss_mb"]
+                                                / s["llama_spec"]["rss_mb"])
+    same = None
+    if "llama_plain" in results and "specdec_plain" in results:
+        same = sum(x["text"] == y["text"] for x, y in zip(results["llama_plain"],
+                                                          results["specdec_plain"]))
+    out = {
+        "what": "bench/cpu_vs_llamacpp.py: HumanEval prompts, greedy, forced length, batch 1",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True, cwd=REPO).stdout.strip(),
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform()},
+        "versions": {"torch": __import__("torch").__version__, "llama.cpp": _peer_commit()},
+        "settings": vars(a), "target_gguf": tgt.name, "draft_gguf": dft.name,
+        "summary": summary, "ratios": ratios,
+        "plain_outputs_identical_to_llama_cpp": same, "per_request": results,
+    }
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps({"summary": summary, "ratios": ratios,
+                      "plain_outputs_identical_to_llama_cpp": same}, indent=1))
+
+
+def _run(engine: str, url: str, prompt: str, n: int) -> dict[str, Any]:
+    if engine.startswith("llama"):
+        body = {"prompt": prompt, "n_predict": n, "ignore_eos": True, "temperature": 0.0,
+                "stream": True, "cache_prompt": False}
+        return _stream(url, body, llama=True)
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": n, "ignore_eos": True,
+                            "temperature": 0.0, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if engine == "specdec_plain":
+        body["speculative"] = {"method": "none"}
+    return _stream(url, body, llama=False)
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _peer_commit() -> str:
+    readme = PEER.parent / "README.md"
+    for word in readme.read_text().split() if readme.is_file() else []:
+        if len(word) == 40 and all(c in "0123456789abcdef" for c in word):
+            return word
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()
