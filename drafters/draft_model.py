@@ -191,7 +191,8 @@ class ReducedHead(torch.nn.Module):
         self.vocab = head.out_features
         if isinstance(head, QuantLinear):
             assert len(head.parts) == 1
-            self.sub: torch.nn.Module = QuantLinear([head.parts[0].select(ids)], None)
+            self.sub: torch.nn.Module = QuantLinear([head.parts[0].select(ids)], None,
+                                                    out_features=len(ids))
         else:
             self.sub = torch.nn.Linear(head.in_features, len(ids), bias=False)
             self.sub.weight = torch.nn.Parameter(head.weight[ids].detach(), requires_grad=False)

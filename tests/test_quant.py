@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.cpu_kernels.build import ISAS, supported
+from specdec.cpu_kernels.build import available_paths
 from specdec.models.gguf_weights import DIRECT, GGUFTensor, load_tensors
 from specdec.models.quant_linear import (
+    QuantLinear,
     QuantWeight,
-    kernel_order,
+    embed_rows,
     quant_matmul,
     quant_matmul_ref,
     quantize_activations,
@@ -21,51 +22,65 @@ from specdec.models.quant_linear import (
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
-ISA_PARAMS = [pytest.param(i, marks=pytest.mark.skipif(not supported(i), reason=f"no {i}"))
-              for i in ISAS]
+PATHS = available_paths()
 
 
-@pytest.mark.parametrize("k", [64, 256, 576, 896, 1536])
-def test_kernel_order_is_a_permutation_and_values_round_trip(k: int) -> None:
-    order = kernel_order(k)
-    assert torch.equal(order.sort().values, torch.arange(k))
-    gen = torch.Generator().manual_seed(k)
+@pytest.mark.parametrize("shape", [(3, 64), (16, 256), (40, 576), (17, 896)])
+def test_pack_round_trips_values_scales_and_rows(shape: tuple[int, int]) -> None:
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * k)
     for kind, lo, hi in (("q4", 0, 16), ("q8", -128, 128)):
-        q = torch.randint(lo, hi, (3, k), generator=gen)
-        w = QuantWeight.pack(kind, q, torch.ones(3, k // 32), None)
-        assert torch.equal(w.values().long(), q)
+        q = torch.randint(lo, hi, (n, k), generator=gen)
+        d = torch.rand(n, k // 32, generator=gen).half().float()
+        w = QuantWeight.pack(kind, q, d, -d)
+        assert w.n % 16 == 0 and w.rows == n
+        assert torch.equal(w.values()[:n].long(), q)
+        assert torch.equal(w.scales()[0][:n].float(), d)
+        ids = torch.tensor([n - 1, 0, n // 2])
+        torch.testing.assert_close(embed_rows(w, ids), w.dequantize()[ids], rtol=0, atol=0)
+        torch.testing.assert_close(w.select(ids).dequantize()[:3], w.dequantize()[ids])
 
 
-@pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_every_path_is_available_or_explained() -> None:
+    assert "portable" in PATHS  # a C compiler is part of the install
+
+
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("shape", [(40, 128), (67, 896), (33, 576), (16, 1536)])
-def test_quant_matmul_matches_reference(isa: str, kind: str, affine: bool,
-                                        shape: tuple[int, int]) -> None:
+def test_quant_matmul_matches_reference_on_every_path(kind: str, affine: bool,
+                                                      shape: tuple[int, int]) -> None:
     n, k = shape
     gen = torch.Generator().manual_seed(n * k)
     w = QuantWeight.random(kind, n, k, gen, affine)
-    bias = torch.randn(n, generator=gen)
-    for rows in (1, 2, 3, 5, 8, 9, 16):
+    bias = torch.randn(w.n, generator=gen)
+    for rows in (1, 2, 3, 5, 8, 9, 16, 17):
         x = torch.randn(rows, k, generator=gen) * 3
         ref = quant_matmul_ref(x, w) + bias
-        got = quant_matmul(x, w, bias, isa=isa)
-        # The same integer dot products; only the order of float additions differs.
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+        outs = {p: quant_matmul(x, w, bias, path=p) for p in PATHS}
+        # The same integer dot products; only the order of float additions differs from the
+        # reference, and not at all between paths.
+        for p, got in outs.items():
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item(),
+                                       msg=p)
+            assert torch.equal(got, outs["portable"]), p
+        # A row's result does not depend on the rows beside it (exact speculation).
+        for p in PATHS:
+            assert torch.equal(quant_matmul(x[-1:], w, bias, path=p)[0], outs[p][-1]), p
         # And close to the unquantized product: activations are quantized to int8 per 32.
         full = x @ w.dequantize().t() + bias
-        assert (got - full).abs().max() <= 0.02 * full.abs().max()
+        assert (outs["portable"] - full).abs().max() <= 0.02 * full.abs().max()
 
 
-def test_quant_matmul_writes_column_slices_of_a_wider_output() -> None:
+def test_quant_linear_parts_with_padding_keep_their_columns() -> None:
     gen = torch.Generator().manual_seed(0)
-    a, b = QuantWeight.random("q4", 24, 256, gen), QuantWeight.random("q8", 40, 256, gen)
+    a, b = QuantWeight.random("q4", 40, 256, gen), QuantWeight.random("q8", 24, 256, gen)
+    bias = torch.randn(64, generator=gen)
     x = torch.randn(3, 256, generator=gen)
-    out = torch.full((3, 64), float("nan"))
-    quant_matmul(x, a, out=out, col=0)
-    quant_matmul(x, b, out=out, col=24)
-    torch.testing.assert_close(out, torch.cat([quant_matmul_ref(x, a), quant_matmul_ref(x, b)], 1),
-                               rtol=1e-5, atol=1e-4)
+    want = torch.cat([quant_matmul_ref(x, a)[:, :40], quant_matmul_ref(x, b)[:, :24]], 1) + bias
+    got = QuantLinear([a, b], bias)(x)
+    assert got.shape == (3, 64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_activation_quantization_bounds() -> None:
@@ -101,7 +116,7 @@ def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, object, tuple[i
         if qtype == T.F32:
             w.add_tensor(name, data)
         else:
-            w.add_tensor(name, data, raw_shape=shape, raw_dtype=qtype)
+            w.add_tensor(name, data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -128,7 +143,7 @@ def test_gguf_blocks_decode_to_the_files_values(tmp_path: Path, qtype: str,
     (t,) = [GGUFTensor(x) for x in gguf.GGUFReader(str(tmp_path / "t.gguf")).tensors]
     ref = t.dequantize()  # the gguf package's dequantization: llama.cpp's values
     w = t.quantized(quantization)
-    got = w.dequantize()
+    got = w.dequantize()[:n]
     scale = ref.abs().max()
     if quantization == "int4" and DIRECT.get(qtype) != "q4":
         assert w.kind == "q4"
@@ -142,7 +157,7 @@ def test_gguf_blocks_decode_to_the_files_values(tmp_path: Path, qtype: str,
         assert (got - ref).abs().max() <= scale / 200
     # and the kernel on it agrees with the float product over the file's values
     x = torch.randn(4, k)
-    y = quant_matmul(x, w)
+    y = quant_matmul(x, w)[:, :n]
     full = x @ ref.t()
     tol = 0.15 if quantization == "int4" and DIRECT.get(qtype) != "q4" else 0.03
     assert (y - full).abs().max() <= tol * full.abs().max()
@@ -160,3 +175,4 @@ def test_llama_qk_rows_are_unpermuted_in_every_part(tmp_path: Path) -> None:
     (_, fw), = list(load_tensors(tmp_path / "t.gguf", hf, "none"))
     assert name == "model.layers.0.self_attn.q_proj.weight"
     torch.testing.assert_close(qw.dequantize(), fw, rtol=2e-3, atol=2e-3)
+    assert qw.rows == heads * head_dim

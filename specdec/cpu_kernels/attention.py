@@ -55,10 +55,10 @@ class RowsView:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, rows: RowsView, scale: float, isa: str = "auto"
+              meta: AttentionMetadata, rows: RowsView, scale: float, path: str = "auto"
               ) -> torch.Tensor:
     """q [T, Hq, D] float32, caches [num_blocks, block_size, Hkv, D] float32 -> [T, Hq, D]."""
-    from specdec.cpu_kernels.build import choose_isa, load
+    from specdec.cpu_kernels.build import choose_path, library
 
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -68,7 +68,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q = q.contiguous()
     tables = meta.block_tables.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    lib = load(choose_isa() if isa == "auto" else isa)
+    lib = library(choose_path(1) if path == "auto" else path)
     lib.sd_attention(q.data_ptr(), t, hq, hkv, d, k_cache.data_ptr(), v_cache.data_ptr(),
                      tables.data_ptr(), tables.shape[1], k_cache.shape[1],
                      rows.row_seq.data_ptr(), rows.row_prefix.data_ptr(),
@@ -107,10 +107,10 @@ class CpuAttentionBackend:
 
     name = "cpu"
 
-    def __init__(self, isa: str = "auto") -> None:
+    def __init__(self, path: str = "auto") -> None:
         from specdec.attention import TorchAttentionBackend
 
-        self.isa = isa
+        self.path = path
         self.reference = TorchAttentionBackend()
         self._rows: tuple[AttentionMetadata, RowsView] | None = None
         self._kernel_ok: bool | None = None
@@ -120,10 +120,10 @@ class CpuAttentionBackend:
 
     def _kernel(self) -> bool:
         if self._kernel_ok is None:
-            from specdec.cpu_kernels.build import KernelUnavailable, choose_isa, load
+            from specdec.cpu_kernels.build import KernelUnavailable, choose_path, library
 
             try:
-                load(choose_isa() if self.isa == "auto" else self.isa)
+                library(choose_path(1) if self.path == "auto" else self.path)
                 self._kernel_ok = True
             except KernelUnavailable:
                 self._kernel_ok = False
@@ -134,4 +134,4 @@ class CpuAttentionBackend:
             return self.reference.attend(q, k_cache, v_cache, meta, scale)
         if self._rows is None or self._rows[0] is not meta:
             self._rows = (meta, RowsView.of(meta))
-        return attention(q, k_cache, v_cache, meta, self._rows[1], scale, self.isa)
+        return attention(q, k_cache, v_cache, meta, self._rows[1], scale, self.path)

@@ -1,10 +1,13 @@
 """Compile quant_matmul.c on first use and load it through ctypes.
 
 Two builds of the same source: `avx512` (AVX-512 F/BW/VL with VNNI, where /proc/cpuinfo reports
-them) and `portable` (plain C, vectorised by the compiler for this machine). `choose_isa` times
-both on a decode-sized matmul and keeps the faster, so the choice follows the CPU, not a guess.
-The shared objects live in the cache (`$SPECDEC_CACHE/kernels`), keyed by the source, the flags
-and the CPU's flags: a fresh machine compiles them once (about a second with gcc).
+them) and `portable` (plain C, vectorised by the compiler for this machine). They offer three
+paths through the matmul: "portable", "avx512" and "amx" (the avx512 build's AMX tiles, where
+the CPU has them and the kernel grants them). All three give identical results; `choose_path`
+times each on a layer-sized matmul at the row count asked for (once per bucket of row counts)
+and keeps the fastest, so the choice follows this CPU, not a guess. The shared objects live in
+the cache (`$SPECDEC_CACHE/kernels`), keyed by the source, the flags and the CPU's flags: a fresh
+machine compiles them once (a few seconds with gcc).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("quant_matmul.c")
-ISAS = ("avx512", "portable")
+ISAS = ("avx512", "portable")  # builds
+PATHS = {"portable": 0, "avx512": 1, "amx": 2}  # the `path` argument of sd_q*_matmul
 _FLAGS = {
     "avx512": ["-DSD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
                "-mf16c"],
@@ -71,12 +75,13 @@ def _argtypes(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sd_quantize_rows.restype = None
     for name in ("sd_q4_matmul", "sd_q8_matmul"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, p, i64]
+        fn.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, p, i64, ctypes.c_int]
         fn.restype = None
     lib.sd_attention.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, i64, p, p, p, p,
                                  ctypes.c_float, p]
     lib.sd_attention.restype = None
     lib.sd_isa.restype = ctypes.c_int
+    lib.sd_amx_enable.restype = ctypes.c_int
     return lib
 
 
@@ -111,36 +116,67 @@ def load(isa: str) -> ctypes.CDLL:
     return _argtypes(ctypes.CDLL(str(out)))
 
 
-def _time_isa(isa: str) -> float:
+def library(path: str) -> ctypes.CDLL:
+    """The build that runs `path`; KernelUnavailable where this machine cannot run it."""
+    if path not in PATHS:
+        raise ValueError(f"cpu kernel path must be one of {sorted(PATHS)} or 'auto', got "
+                         f"{path!r}")
+    lib = load("portable" if path == "portable" else "avx512")
+    if path == "amx" and not lib.sd_amx_enable():
+        raise KernelUnavailable("this CPU or kernel offers no AMX tiles (AMX-TILE, AMX-INT8 and "
+                                "Linux >= 5.16 are needed)")
+    return lib
+
+
+def available_paths() -> list[str]:
+    out = []
+    for path in PATHS:
+        try:
+            library(path)
+            out.append(path)
+        except KernelUnavailable:
+            pass
+    return out
+
+
+def _bucket(rows: int) -> int:
+    return min(16, 1 << max(0, (rows - 1).bit_length()))
+
+
+def _time_path(path: str, rows: int) -> float:
     from specdec.models.quant_linear import QuantWeight, quant_matmul
 
     gen = torch.Generator().manual_seed(0)
-    n, k = 2048, 1536  # a decode-sized layer; 32 copies overflow the last-level cache
-    ws = [QuantWeight.random("q4", n, k, gen) for _ in range(32)]
-    x = torch.randn(1, k, generator=gen)
-    quant_matmul(x, ws[0], isa=isa)
+    n, k = 2048, 1536  # a decode-sized layer; 24 copies overflow the last-level cache
+    ws = [QuantWeight.random("q4", n, k, gen) for _ in range(24)]
+    x = torch.randn(rows, k, generator=gen)
+    quant_matmul(x, ws[0], path=path)
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
         for w in ws:
-            quant_matmul(x, w, isa=isa)
+            quant_matmul(x, w, path=path)
         best = min(best, time.perf_counter() - t)
     return best
 
 
-@cache
-def choose_isa() -> str:
-    """The fastest build this CPU can run, by timing each on one decode-sized matmul."""
-    times: dict[str, float] = {}
-    errors: list[str] = []
-    for isa in ISAS:
-        if not supported(isa):
-            continue
-        try:
-            load(isa)
-            times[isa] = _time_isa(isa)
-        except KernelUnavailable as e:
-            errors.append(str(e))
-    if not times:
-        raise KernelUnavailable("; ".join(errors) or "no CPU kernel build is usable here")
-    return min(times, key=times.__getitem__)
+_CHOSEN: dict[int, str] = {}  # row bucket -> the path measured fastest for it
+
+
+def choose_path(rows: int) -> str:
+    """The fastest path this CPU runs for `rows` activation rows, measured once per bucket
+    (1, 2, 4, 8, 16 and more)."""
+    bucket = _bucket(rows)
+    if bucket not in _CHOSEN:
+        paths = available_paths()
+        if not paths:
+            raise KernelUnavailable("no CPU kernel build is usable here (is a C compiler "
+                                    "installed?)")
+        times = {p: _time_path(p, bucket) for p in paths} if len(paths) > 1 else {paths[0]: 0}
+        _CHOSEN[bucket] = min(times, key=times.__getitem__)
+    return _CHOSEN[bucket]
+
+
+def choices() -> dict[int, str]:
+    """What was measured and picked so far: row bucket -> path."""
+    return dict(_CHOSEN)

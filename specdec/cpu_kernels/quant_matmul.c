@@ -2,27 +2,29 @@
  *
  * W is stored in groups of 32 along K, each group with an fp16 scale d and an optional fp16
  * offset mn, w = d * q + mn (the GGUF block types map onto this exactly: Q4_0, Q4_1, Q4_K give
- * 4-bit q, Q5_0, Q5_1, Q8_0 give 8-bit q; see specdec/models/gguf_weights.py):
- *   q8: qs [N, K] int8; q4: qs [N, K/2] uint8, two values a byte.
- *   d, mn: [N, K/32] fp16 bits; mn may be NULL (symmetric).
- * Values are stored in "kernel order" so that one vpdpbusd lane sums 4 values of one group:
- *   - K splits into blocks of 8 groups (256 values) and a tail of pairs of groups (64 values).
- *   - Block position (s, l, i), s = 0..3, l = 0..15, i = 0..3 (position 64 s + 4 l + i) holds
- *     the value at k = 32 (l & 7) + 16 (l >> 3) + 4 s + i of the block. q8 stores positions in
- *     order; q4 stores position 64 s + j in byte 64 (s / 2) + j, low nibble for even s.
- *   - Tail pairs hold values in order; q4 stores value j (0..31) of the pair in byte j's low
- *     nibble and value 32 + j in its high nibble (Q4_K's own order).
- * Activations are quantized into the same order (sd_quantize_rows), so both sides of every dot
- * product line up position by position.
+ * 4-bit q, Q5_0, Q5_1, Q8_0 give 8-bit q; see specdec/models/gguf_weights.py).
+ *
+ * Layout: "units" of 16 rows x one group (32 values), [N/16][K/32] units in row-block order.
+ * A unit is what one AMX B tile holds (8 rows of 64 bytes, VNNI order): tile row r holds
+ * values k = 4r .. 4r+3 of the 16 weight rows, byte 4 i + (k % 4) for weight row i.
+ *   q8: qs [N/16][K/32][512] int8, the 8 tile rows in order.
+ *   q4: qs [N/16][K/32][256] uint8, tile rows 2j and 2j + 1 in the low and high nibbles of
+ *       bytes 64 j .. 64 j + 63.
+ *   d, mn: [N/16][K/32][16] fp16 bits, one per weight row of the unit; mn may be NULL.
+ * With AVX-512 one vpdpbusd multiplies a tile row by 4 activation bytes broadcast to every lane,
+ * so each of the 16 lanes sums one weight row: no horizontal reduction anywhere. With AMX
+ * (TDPBSUD / TDPBSSD) one instruction does a unit for up to 16 activation rows at once.
  *
  * Activations are quantized per row and per group of 32 to int8 (xd: the group's scale, xs: the
  * scale times the group's sum of int8 values, for the offset term), as llama.cpp does with its
- * Q8 activations. The integer dot products are exact, so the AVX-512 and the portable builds of
- * this file differ only in the order of float additions.
+ * Q8 activations. The integer dot products are exact and every path then does the same float
+ * operations in the same order (see block_portable), so the portable, AVX-512 and AMX paths
+ * give identical results, whatever the number of rows in the call: a row's output never depends
+ * on the rows beside it, which keeps speculative greedy output equal to plain greedy output.
  *
- * Built twice by specdec/cpu_kernels/build.py: with -DSD_AVX512 (AVX-512 F/BW/VL + VNNI) and
- * without (portable C, vectorised by the compiler for the build machine's ISA). Rows are split
- * between OpenMP threads; the process shares PyTorch's libgomp, so torch.set_num_threads rules.
+ * Built twice by specdec/cpu_kernels/build.py: with -DSD_AVX512 (AVX-512 F/BW/VL + VNNI, and
+ * AMX where the CPU and kernel allow it) and without (portable C). Row blocks are split between
+ * OpenMP threads; the process shares PyTorch's libgomp, so torch.set_num_threads rules.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,9 +33,12 @@
 
 #ifdef SD_AVX512
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #define GROUP 32
+#define UNIT_ROWS 16
 
 static inline float fp16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -55,30 +60,14 @@ static inline float fp16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Storage position of value k of a row (see "kernel order" above). */
-static inline int64_t kpos(int64_t k, int64_t K) {
-    const int64_t full = (K / 256) * 256;
-    if (k >= full) return k;
-    const int64_t b = k / 256, r = k % 256, g = r / 32, kk = r % 32;
-    const int64_t l = g + 8 * (kk / 16), s = (kk % 16) / 4, i = kk % 4;
-    return b * 256 + 64 * s + 4 * l + i;
-}
-
-/* Group of the value at storage position p. */
-static inline int64_t pos_group(int64_t p, int64_t K) {
-    const int64_t full = (K / 256) * 256;
-    if (p >= full) return p / 32;
-    const int64_t b = p / 256, l = (p % 64) / 4;
-    return b * 8 + (l & 7);
-}
-
-/* x [M, K] float32 -> xq [M, K] int8 in kernel order, xd [M, K/32], xs [M, K/32]. */
+/* x [M, K] float32 -> xq [M, K] int8, xd [M, K/32], xs [M, K/32]. */
 void sd_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
     const int64_t G = K / GROUP;
 #pragma omp parallel for schedule(static) if (M * K > (1 << 16))
     for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < G; g++) {
             const float *src = x + m * K + g * GROUP;
+            int8_t *dst = xq + m * K + g * GROUP;
             float amax = 0.0f;
             for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(src[i]));
             const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
@@ -86,7 +75,7 @@ void sd_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *x
             for (int i = 0; i < GROUP; i++) {
                 int v = (int)lrintf(src[i] * inv);
                 v = v > 127 ? 127 : (v < -127 ? -127 : v);
-                xq[m * K + kpos(g * GROUP + i, K)] = (int8_t)v;
+                dst[i] = (int8_t)v;
                 sum += v;
             }
             xd[m * G + g] = d;
@@ -95,249 +84,271 @@ void sd_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *x
     }
 }
 
-/* The value at storage position p of a q4 row. */
-static inline int q4_at(const uint8_t *wq, int64_t p, int64_t K) {
-    const int64_t full = (K / 256) * 256;
-    if (p < full) {
-        const int64_t b = p / 256, r = p % 256, s = r / 64;
-        return (wq[b * 128 + 64 * (s / 2) + r % 64] >> (4 * (s % 2))) & 0xf;
+/* The value of weight row i (0..15), column k (0..31) of a unit. */
+static inline int unit_value(int kind, const void *unit, int i, int k) {
+    const int r = k / 4, c = 4 * i + k % 4;
+    if (kind == 8) return ((const int8_t *)unit)[r * 64 + c];
+    return (((const uint8_t *)unit)[(r / 2) * 64 + c] >> (4 * (r % 2))) & 0xf;
+}
+
+/* Every path computes, per output (m, n), in group order g = 0, 1, ...:
+ *     acc = fma((float)dot_g, d_g * xd_g, acc);  acc = fma(mn_g, xs_g, acc)   (if mn)
+ * then adds the bias: the same float operations in the same order, whichever path runs and
+ * however many rows share the call. */
+static void block_portable(int kind, const int8_t *xq, const float *xd, const float *xs,
+                           int64_t M, int64_t K, const void *qs, const uint16_t *d,
+                           const uint16_t *mn, const float *bias, int64_t nb, float *y,
+                           int64_t ldy) {
+    const int64_t G = K / GROUP, ub = kind == 4 ? 256 : 512;
+    for (int64_t m = 0; m < M; m++) {
+        float acc[UNIT_ROWS] = {0};
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t u = nb * G + g;
+            const void *unit = (const uint8_t *)qs + u * ub;
+            const int8_t *a = xq + m * K + g * GROUP;
+            const float sx = xd[m * G + g];
+            for (int i = 0; i < UNIT_ROWS; i++) {
+                int32_t dot = 0;
+                for (int k = 0; k < GROUP; k++) dot += unit_value(kind, unit, i, k) * a[k];
+                acc[i] = fmaf((float)dot, fp16_to_f32(d[u * 16 + i]) * sx, acc[i]);
+                if (mn) acc[i] = fmaf(fp16_to_f32(mn[u * 16 + i]), xs[m * G + g], acc[i]);
+            }
+        }
+        for (int i = 0; i < UNIT_ROWS; i++)
+            y[m * ldy + nb * 16 + i] = bias ? acc[i] + bias[nb * 16 + i] : acc[i];
     }
-    const int64_t t = p - full, j = t % 64;
-    return (wq[full / 2 + (t / 64) * 32 + j % 32] >> (4 * (j / 32))) & 0xf;
 }
-
-/* The offset term of row n for input row m: sum over groups of mn[n, g] * xs[m, g]. */
-static inline float offset_term(const uint16_t *mn_row, const float *xs_row, int64_t G) {
-    float s = 0.0f;
-    for (int64_t g = 0; g < G; g++) s += fp16_to_f32(mn_row[g]) * xs_row[g];
-    return s;
-}
-
-#define MAX_GROUPS 4096 /* K up to 131072 */
 
 #ifndef SD_AVX512
 
-static void rows_portable(int kind, const int8_t *xq, const float *xd, const float *xs, int64_t M,
-                          int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
-                          const float *bias, int64_t n0, int64_t n1, float *y, int64_t ldy) {
-    const int64_t G = K / GROUP;
-    int32_t dots[MAX_GROUPS];
-    for (int64_t n = n0; n < n1; n++) {
-        for (int64_t m = 0; m < M; m++) {
-            const int8_t *a = xq + m * K;
-            memset(dots, 0, sizeof(int32_t) * G);
-            if (kind == 4) {
-                const uint8_t *wq = (const uint8_t *)qs + n * (K / 2);
-                for (int64_t p = 0; p < K; p++) dots[pos_group(p, K)] += q4_at(wq, p, K) * a[p];
-            } else {
-                const int8_t *wq = (const int8_t *)qs + n * K;
-                for (int64_t p = 0; p < K; p++) dots[pos_group(p, K)] += (int32_t)wq[p] * a[p];
-            }
-            float acc = 0.0f;
-            for (int64_t g = 0; g < G; g++)
-                acc += fp16_to_f32(d[n * G + g]) * xd[m * G + g] * (float)dots[g];
-            if (mn) acc += offset_term(mn + n * G, xs + m * G, G);
-            if (bias) acc += bias[n];
-            y[m * ldy + n] = acc;
-        }
-    }
-}
+static int use_amx(int64_t M) { (void)M; return 0; }
 
-static void q4_rows(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
-                    const uint8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
-                    int64_t n0, int64_t n1, float *y, int64_t ldy) {
-    rows_portable(4, xq, xd, xs, M, K, qs, d, mn, bias, n0, n1, y, ldy);
-}
-
-static void q8_rows(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
-                    const int8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
-                    int64_t n0, int64_t n1, float *y, int64_t ldy) {
-    rows_portable(8, xq, xd, xs, M, K, qs, d, mn, bias, n0, n1, y, ldy);
+static void block_rows(int kind, const int8_t *xq, const float *xd, const float *xs, int64_t M,
+                       int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
+                       const float *bias, int64_t nb, float *y, int64_t ldy, int amx) {
+    (void)amx;
+    block_portable(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);
 }
 
 int sd_isa(void) { return 0; }
+int sd_amx_enable(void) { return 0; }
 
 #else /* SD_AVX512 */
 
-#define MB_MAX 8
 #ifndef PREFETCH
 #define PREFETCH 2048 /* bytes ahead in the weight stream */
 #endif
+#define MB_MAX 8
 
-/* Lanes 0-7 take element 2j of a 16-float vector, lanes 8-15 element 2j + 1: the scales of
- * the two groups of tail pair j, laid over the dpbusd lanes that sum each group. */
-static inline __m512 pair_lanes(__m512 v16, int j) {
-    const __m512i lo = _mm512_set1_epi32(2 * j), hi = _mm512_set1_epi32(2 * j + 1);
-    return _mm512_permutexvar_ps(_mm512_mask_blend_epi32(0xff00, lo, hi), v16);
-}
-
-static inline __m512 load_h16(const uint16_t *p, int64_t count) {
-    const __mmask16 k = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
-}
-
-static inline __m512 load_f16(const float *p, int64_t count) {
-    const __mmask16 k = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
-    return _mm512_maskz_loadu_ps(k, p);
-}
-
-/* 8 floats repeated in both halves of a vector: a block's group scales over its 16 lanes. */
-static inline __m512 dup8(__m256 v) {
-    const __m512 w = _mm512_castps256_ps512(v);
-    return _mm512_shuffle_f32x4(w, w, 0x44);
-}
-
-static inline float offset_term512(const uint16_t *mn_row, const float *xs_row, int64_t G) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g += 16)
-        acc = _mm512_fmadd_ps(load_h16(mn_row + g, G - g), load_f16(xs_row + g, G - g), acc);
-    return _mm512_reduce_add_ps(acc);
-}
-
-/* One weight row against MB (1..8) activation rows; out[m] = sum over groups of
- * d[g] * xd[m, g] * dot(q[g], xq[m, g]). */
-static inline void row_dots(int kind, const int8_t *xq, const float *xd, int64_t K,
-                            const void *wrow, const uint16_t *drow, int MB, float *out) {
-    const int64_t G = K / GROUP, NB = K / 256, P = (K - NB * 256) / 64;
-    const __m512i nib = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
-    __m512 fa[MB_MAX];
-    for (int m = 0; m < MB; m++) fa[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < NB; b++) {
-        __m512i w[4];
-        __mmask64 neg[4] = {0, 0, 0, 0};
-        if (kind == 4) {
-            const uint8_t *src = (const uint8_t *)wrow + b * 128;
-            _mm_prefetch((const char *)src + PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)src + PREFETCH + 64, _MM_HINT_T0);
-            const __m512i v0 = _mm512_loadu_si512((const void *)src);
-            const __m512i v1 = _mm512_loadu_si512((const void *)(src + 64));
-            w[0] = _mm512_and_si512(v0, nib);
-            w[1] = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nib);
-            w[2] = _mm512_and_si512(v1, nib);
-            w[3] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nib);
-        } else {
-            const int8_t *src = (const int8_t *)wrow + b * 256;
-            for (int s = 0; s < 4; s++)
-                _mm_prefetch((const char *)src + PREFETCH + 64 * s, _MM_HINT_T0);
-            for (int s = 0; s < 4; s++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(src + 64 * s));
-                w[s] = _mm512_abs_epi8(v);
-                neg[s] = _mm512_movepi8_mask(v);
-            }
-        }
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(drow + 8 * b)));
-        for (int m = 0; m < MB; m++) {
-            const int8_t *a = xq + m * K + b * 256;
-            __m512i acc = zero;
-            for (int s = 0; s < 4; s++) {
-                __m512i x = _mm512_loadu_si512((const void *)(a + 64 * s));
-                if (kind == 8) x = _mm512_mask_sub_epi8(x, neg[s], zero, x);
-                acc = _mm512_dpbusd_epi32(acc, w[s], x);
-            }
-            const __m512 sc = dup8(_mm256_mul_ps(d8, _mm256_loadu_ps(xd + m * G + 8 * b)));
-            fa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sc, fa[m]);
-        }
+/* The unit's 8 tile rows as 64 bytes each (q4: nibbles spread to bytes). */
+static inline void unit_rows(int kind, const void *unit, __m512i w[8]) {
+    if (kind == 8) {
+        for (int r = 0; r < 8; r++) w[r] = _mm512_loadu_si512((const uint8_t *)unit + 64 * r);
+        return;
     }
-    /* tail: pairs of groups in natural order */
-    const int64_t g0 = NB * 8, full = NB * 256;
-    for (int64_t p0 = 0; p0 < P; p0 += 8) {
-        const int64_t left = G - g0 - 2 * p0;
-        const __m512 d16 = load_h16(drow + g0 + 2 * p0, left);
-        __m512 s16[MB_MAX];
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    for (int j = 0; j < 4; j++) {
+        const __m512i v = _mm512_loadu_si512((const uint8_t *)unit + 64 * j);
+        w[2 * j] = _mm512_and_si512(v, nib);
+        w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+}
+
+static inline __m512 bias16(const float *bias, int64_t nb) {
+    return bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
+}
+
+/* AVX-512: up to MB_MAX activation rows against one 16-row block. */
+static void block_avx(int kind, const int8_t *xq, const float *xd, const float *xs, int64_t M,
+                      int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
+                      const float *bias, int64_t nb, float *y, int64_t ldy) {
+    const int64_t G = K / GROUP, ub = kind == 4 ? 256 : 512;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
+        const int MB = M - m0 < MB_MAX ? (int)(M - m0) : MB_MAX;
+        __m512 fa[MB_MAX];
+        for (int m = 0; m < MB; m++) fa[m] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t u = nb * G + g;
+            const uint8_t *unit = (const uint8_t *)qs + u * ub;
+            _mm_prefetch((const char *)unit + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)unit + PREFETCH + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)unit + PREFETCH + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)unit + PREFETCH + 192, _MM_HINT_T0);
+            __m512i w[8];
+            unit_rows(kind, unit, w);
+            __m512i corr = _mm512_setzero_si512();  /* q8: 128 * (sum of each row's values) */
+            if (kind == 8)
+                for (int r = 0; r < 8; r++) corr = _mm512_dpbusd_epi32(corr, flip, w[r]);
+            const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + u * 16)));
+            const __m512 mn16 = mn ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                         (const __m256i *)(mn + u * 16)))
+                                   : _mm512_setzero_ps();
+            for (int m = 0; m < MB; m++) {
+                const int8_t *a = xq + (m0 + m) * K + g * GROUP;
+                __m512i acc = _mm512_setzero_si512();
+                for (int r = 0; r < 8; r++) {
+                    __m512i x = _mm512_set1_epi32(*(const int32_t *)(a + 4 * r));
+                    if (kind == 4) {
+                        acc = _mm512_dpbusd_epi32(acc, w[r], x);
+                    } else {  /* (x + 128) unsigned against signed w, corrected below */
+                        acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(x, flip), w[r]);
+                    }
+                }
+                if (kind == 8) acc = _mm512_sub_epi32(acc, corr);
+                const float sx = xd[(m0 + m) * G + g];
+                fa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
+                                        _mm512_mul_ps(d16, _mm512_set1_ps(sx)), fa[m]);
+                if (mn)
+                    fa[m] = _mm512_fmadd_ps(mn16, _mm512_set1_ps(xs[(m0 + m) * G + g]), fa[m]);
+            }
+        }
+        const __m512 b = bias16(bias, nb);
         for (int m = 0; m < MB; m++)
-            s16[m] = _mm512_mul_ps(d16, load_f16(xd + m * G + g0 + 2 * p0, left));
-        const int64_t pe = p0 + 8 < P ? p0 + 8 : P;
-        for (int64_t p = p0; p < pe; p++) {
-            __m512i w;
-            __mmask64 neg = 0;
+            _mm512_storeu_ps(y + (m0 + m) * ldy + nb * 16,
+                             bias ? _mm512_add_ps(fa[m], b) : fa[m]);
+    }
+}
+
+/* ---- AMX: 16 activation rows x one unit per tile instruction ---- */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_state = -1; /* -1 unknown, 0 unavailable, 1 enabled */
+
+/* Ask the kernel for the AMX tile state (Linux >= 5.16). 1 when AMX can be used. */
+int sd_amx_enable(void) {
+    if (amx_state < 0) {
+        unsigned eax, ebx, ecx, edx;
+        __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+        const int has = (edx >> 24) & 1 && (edx >> 25) & 1; /* AMX-TILE, AMX-INT8 */
+        amx_state = has && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return amx_state;
+}
+
+static int use_amx(int64_t M) { return M >= 2 && amx_state == 1; }
+
+__attribute__((target("amx-tile,amx-int8")))
+static void tile_setup(int rows) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    c.rows[0] = (uint8_t)rows; c.colsb[0] = 64; /* C: rows x 16 int32 */
+    c.rows[1] = (uint8_t)rows; c.colsb[1] = 32; /* A: rows x 32 int8 */
+    c.rows[2] = 8; c.colsb[2] = 64;             /* B: one unit */
+    _tile_loadconfig(&c);
+}
+
+__attribute__((target("amx-tile,amx-int8")))
+static void block_amx(int kind, const int8_t *xq, const float *xd, const float *xs, int64_t M,
+                      int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
+                      const float *bias, int64_t nb, float *y, int64_t ldy) {
+    const int64_t G = K / GROUP, ub = kind == 4 ? 256 : 512;
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    uint8_t bt[512] __attribute__((aligned(64)));
+    int32_t cbuf[16 * 16] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int MB = M - m0 < 16 ? (int)(M - m0) : 16;
+        tile_setup(MB);
+        __m512 fa[16];
+        for (int m = 0; m < MB; m++) fa[m] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t u = nb * G + g;
+            const uint8_t *unit = (const uint8_t *)qs + u * ub;
+            _mm_prefetch((const char *)unit + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)unit + PREFETCH + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)unit + PREFETCH + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)unit + PREFETCH + 192, _MM_HINT_T0);
+            _tile_zero(0);
+            _tile_loadd(1, xq + m0 * K + g * GROUP, K);
             if (kind == 4) {
-                const __m256i v =
-                    _mm256_loadu_si256((const __m256i *)((const uint8_t *)wrow + full / 2 + p * 32));
-                const __m256i n4 = _mm256_set1_epi8(0x0f);
-                w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, n4)),
-                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), n4), 1);
+                for (int j = 0; j < 4; j++) {
+                    const __m512i v = _mm512_loadu_si512(unit + 64 * j);
+                    _mm512_store_si512(bt + 128 * j, _mm512_and_si512(v, nib));
+                    _mm512_store_si512(bt + 128 * j + 64,
+                                       _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+                }
+                _tile_loadd(2, bt, 64);
+                _tile_dpbsud(0, 1, 2);
             } else {
-                const __m512i v =
-                    _mm512_loadu_si512((const void *)((const int8_t *)wrow + full + p * 64));
-                w = _mm512_abs_epi8(v);
-                neg = _mm512_movepi8_mask(v);
+                _tile_loadd(2, unit, 64);
+                _tile_dpbssd(0, 1, 2);
             }
+            _tile_stored(0, cbuf, 64);
+            const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + u * 16)));
+            const __m512 mn16 = mn ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                         (const __m256i *)(mn + u * 16)))
+                                   : _mm512_setzero_ps();
             for (int m = 0; m < MB; m++) {
-                __m512i x = _mm512_loadu_si512((const void *)(xq + m * K + full + p * 64));
-                if (kind == 8) x = _mm512_mask_sub_epi8(x, neg, zero, x);
-                const __m512i dot = _mm512_dpbusd_epi32(zero, w, x);
-                fa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), pair_lanes(s16[m], (int)(p - p0)),
-                                        fa[m]);
+                const __m512i acc = _mm512_load_si512(cbuf + 16 * m);
+                const float sx = xd[(m0 + m) * G + g];
+                fa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
+                                        _mm512_mul_ps(d16, _mm512_set1_ps(sx)), fa[m]);
+                if (mn)
+                    fa[m] = _mm512_fmadd_ps(mn16, _mm512_set1_ps(xs[(m0 + m) * G + g]), fa[m]);
             }
         }
-    }
-    for (int m = 0; m < MB; m++) out[m] = _mm512_reduce_add_ps(fa[m]);
-}
-
-static inline void rows512(int kind, const int8_t *xq, const float *xd, const float *xs,
-                           int64_t M, int64_t K, const void *qs, const uint16_t *d,
-                           const uint16_t *mn, const float *bias, int64_t n0, int64_t n1,
-                           float *y, int64_t ldy) {
-    const int64_t G = K / GROUP, row_bytes = kind == 4 ? K / 2 : K;
-    float out[MB_MAX];
-    for (int64_t n = n0; n < n1; n++) {
-        const void *wrow = (const uint8_t *)qs + n * row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
-            const int MB = M - m0 < MB_MAX ? (int)(M - m0) : MB_MAX;
-            if (kind == 4)
-                row_dots(4, xq + m0 * K, xd + m0 * G, K, wrow, d + n * G, MB, out);
-            else
-                row_dots(8, xq + m0 * K, xd + m0 * G, K, wrow, d + n * G, MB, out);
-            for (int m = 0; m < MB; m++) {
-                float v = out[m];
-                if (mn) v += offset_term512(mn + n * G, xs + (m0 + m) * G, G);
-                if (bias) v += bias[n];
-                y[(m0 + m) * ldy + n] = v;
-            }
-        }
+        const __m512 b = bias16(bias, nb);
+        for (int m = 0; m < MB; m++)
+            _mm512_storeu_ps(y + (m0 + m) * ldy + nb * 16,
+                             bias ? _mm512_add_ps(fa[m], b) : fa[m]);
     }
 }
 
-static void q4_rows(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
-                    const uint8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
-                    int64_t n0, int64_t n1, float *y, int64_t ldy) {
-    rows512(4, xq, xd, xs, M, K, qs, d, mn, bias, n0, n1, y, ldy);
-}
-
-static void q8_rows(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
-                    const int8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
-                    int64_t n0, int64_t n1, float *y, int64_t ldy) {
-    rows512(8, xq, xd, xs, M, K, qs, d, mn, bias, n0, n1, y, ldy);
+static void block_rows(int kind, const int8_t *xq, const float *xd, const float *xs, int64_t M,
+                       int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
+                       const float *bias, int64_t nb, float *y, int64_t ldy, int amx) {
+    if (amx)
+        block_amx(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);
+    else
+        block_avx(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);
 }
 
 int sd_isa(void) { return 512; }
 
 #endif /* SD_AVX512 */
 
-/* Rows of W per OpenMP chunk: enough to amortise the loop, small enough to balance 2 threads. */
-#define ROW_CHUNK 16
+/* Activation rows per pass over the weights: their int8 copies stay in the L2 cache. */
+#define M_CHUNK 128
 
-/* K must be a multiple of 64 (checked by the Python launcher). */
+static void matmul(int kind, const int8_t *xq, const float *xd, const float *xs, int64_t M,
+                   int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
+                   const float *bias, int64_t N, float *y, int64_t ldy, int path) {
+    /* path: 0 portable, 1 AVX-512, 2 AMX where it serves this row count */
+    const int64_t NB = N / UNIT_ROWS, G = K / GROUP;
+    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+        const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
+        const int amx = path == 2 && use_amx(mc);
+#pragma omp parallel for schedule(static)
+        for (int64_t nb = 0; nb < NB; nb++) {
+            if (path == 0)
+                block_portable(kind, xq + m0 * K, xd + m0 * G, xs + m0 * G, mc, K, qs, d, mn,
+                               bias, nb, y + m0 * ldy, ldy);
+            else
+                block_rows(kind, xq + m0 * K, xd + m0 * G, xs + m0 * G, mc, K, qs, d, mn, bias,
+                           nb, y + m0 * ldy, ldy, amx);
+        }
+    }
+}
+
+/* N must be a multiple of 16 and K of 32 (the Python launcher pads and checks). */
 void sd_q4_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
                   const uint8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
-                  int64_t N, float *y, int64_t ldy) {
-    const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
-        q4_rows(xq, xd, xs, M, K, qs, d, mn, bias, n0, n1, y, ldy);
-    }
+                  int64_t N, float *y, int64_t ldy, int path) {
+    matmul(4, xq, xd, xs, M, K, qs, d, mn, bias, N, y, ldy, path);
 }
 
 void sd_q8_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
                   const int8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
-                  int64_t N, float *y, int64_t ldy) {
-    const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
-        q8_rows(xq, xd, xs, M, K, qs, d, mn, bias, n0, n1, y, ldy);
-    }
+                  int64_t N, float *y, int64_t ldy, int path) {
+    matmul(8, xq, xd, xs, M, K, qs, d, mn, bias, N, y, ldy, path);
 }
 
 /* ---- attention over the paged KV cache, one query row at a time ------------------------------

@@ -131,7 +131,7 @@ class GGUFTensor:
     def quantized(self, quantization: str) -> QuantWeight:
         """The tensor as a QuantWeight, converted a slice of rows at a time (a 150k-row output
         layer would otherwise need several GB of temporaries)."""
-        if len(self.shape) != 2 or self.shape[1] % 64:
+        if len(self.shape) != 2 or self.shape[1] % GROUP:
             raise ValueError(f"{self.name}: shape {self.shape} cannot be kept quantized")
         n, k = self.shape
         kind = {"int4": "q4", "int8": "q8"}.get(quantization, DIRECT.get(self.qtype, "q8"))
@@ -141,7 +141,8 @@ class GGUFTensor:
             return parts[0]
         cat = torch.cat
         mn = None if parts[0].mn is None else cat([p.mn for p in parts])
-        return QuantWeight(kind, cat([p.qs for p in parts]), cat([p.d for p in parts]), mn, n, k)
+        return QuantWeight(kind, cat([p.qs for p in parts]), cat([p.d for p in parts]), mn,
+                           sum(p.n for p in parts), k, n)
 
     def _rows(self, raw: np.ndarray, kind: str) -> QuantWeight:
         from gguf.quants import dequantize
@@ -185,15 +186,12 @@ def load_tensors(path: Path, hf: dict[str, Any], quantization: str
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     for name, t in read_gguf(path).items():
-        keep = quantization != "none" and len(t.shape) == 2 and t.shape[1] % 64 == 0
+        keep = quantization != "none" and len(t.shape) == 2 and t.shape[1] % GROUP == 0
         w: torch.Tensor | QuantWeight = t.quantized(quantization) if keep else t.dequantize()
         if llama and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             h = heads if "q_proj" in name else kv_heads
-            if isinstance(w, QuantWeight):
-                w = QuantWeight(w.kind, _llama_unpermute(w.qs, h).contiguous(),
-                                _llama_unpermute(w.d, h).contiguous(),
-                                None if w.mn is None else _llama_unpermute(w.mn, h).contiguous(),
-                                w.n, w.k)
+            if isinstance(w, QuantWeight):  # re-packed in the un-permuted row order
+                w = w.select(_llama_unpermute(torch.arange(w.rows), h))
             else:
                 w = _llama_unpermute(w, h).contiguous()
         yield name, w

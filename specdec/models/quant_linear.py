@@ -14,7 +14,6 @@ The references here (`dequantize`, `quant_matmul_ref`) are what the tests hold t
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,65 +23,84 @@ GROUP = 32
 KINDS = ("q4", "q8")
 
 
+UNIT = 16  # weight rows per unit (see quant_matmul.c)
+
+
 @dataclass
 class QuantWeight:
     kind: str  # "q4" | "q8"
-    qs: torch.Tensor  # q4: [N, K/2] uint8, q8: [N, K] int8, in quant_matmul.c's kernel order
-    d: torch.Tensor  # [N, K/32] float16
-    mn: torch.Tensor | None  # [N, K/32] float16, or None: symmetric
-    n: int
+    qs: torch.Tensor  # q4: [N/16, K/32, 256] uint8, q8: [N/16, K/32, 512] int8 (units)
+    d: torch.Tensor  # [N/16, K/32, 16] float16
+    mn: torch.Tensor | None  # [N/16, K/32, 16] float16, or None: symmetric
+    n: int  # rows stored, a multiple of 16 (pack pads with zero rows)
     k: int
+    rows: int = -1  # rows that are real, before the padding (-1: all n)
+
+    def __post_init__(self) -> None:
+        if self.rows < 0:
+            self.rows = self.n
 
     @staticmethod
     def pack(kind: str, q: torch.Tensor, d: torch.Tensor, mn: torch.Tensor | None
              ) -> QuantWeight:
         """From integer values q [N, K] (0..15 for q4, -128..127 for q8) and float scales and
-        offsets [N, K/32]."""
+        offsets [N, K/32]. Rows are padded with zeros up to a multiple of 16."""
         n, k = q.shape
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        if k % 64:
-            raise ValueError(f"quantized weights need K % 64 == 0, got K={k}")
-        q = q[:, kernel_order(k)]
-        full = (k // 256) * 256
+        if k % GROUP:
+            raise ValueError(f"quantized weights need K % 32 == 0, got K={k}")
+        pad = -n % UNIT
+        if pad:
+            q = torch.cat([q, q.new_zeros(pad, k)])
+            d = torch.cat([d, d.new_zeros(pad, d.shape[1])])
+            mn = None if mn is None else torch.cat([mn, mn.new_zeros(pad, mn.shape[1])])
+        nb, g = (n + pad) // UNIT, k // GROUP
+        # [NB, 16 rows i, G, 8 tile rows r, 4] -> [NB, G, r, i, 4]: tile row r holds k = 4r..4r+3
+        t = q.reshape(nb, UNIT, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(nb, g, 8, 64)
         if kind == "q4":
-            q = q.to(torch.uint8)
-            blocks = q[:, :full].reshape(n, k // 256, 2, 2, 64)  # [N, NB, s // 2, s % 2, 64]
-            tail = q[:, full:].reshape(n, -1, 2, 32)  # [N, pairs, half, 32]
-            qs = torch.cat([(blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)).reshape(n, -1),
-                            (tail[:, :, 0] | (tail[:, :, 1] << 4)).reshape(n, -1)], dim=1)
+            t = t.to(torch.uint8)
+            qs = (t[:, :, 0::2] | (t[:, :, 1::2] << 4)).reshape(nb, g, 256)
         else:
-            qs = q.to(torch.int8)
-        half = torch.float16
-        return QuantWeight(kind, qs.contiguous(), d.to(half).contiguous(),
-                           None if mn is None else mn.to(half).contiguous(), n, k)
+            qs = t.to(torch.int8).reshape(nb, g, 512)
+
+        def units(v: torch.Tensor) -> torch.Tensor:  # [N, G] -> [NB, G, 16] float16
+            return v.to(torch.float16).reshape(nb, UNIT, g).transpose(1, 2).contiguous()
+
+        return QuantWeight(kind, qs.contiguous(), units(d), None if mn is None else units(mn),
+                           n + pad, k, n)
 
     def values(self) -> torch.Tensor:  # [N, K] int16: the integer q of every weight
+        nb, g = self.n // UNIT, self.k // GROUP
         if self.kind == "q8":
-            stored = self.qs.to(torch.int16)
+            t = self.qs.view(nb, g, 8, 64).to(torch.int16)
         else:
-            full = (self.k // 256) * 256
-            b = self.qs[:, :full // 2].reshape(self.n, -1, 2, 1, 64)
-            t = self.qs[:, full // 2:].reshape(self.n, -1, 1, 32)
-            stored = torch.cat([torch.cat([b & 0xF, b >> 4], dim=3).reshape(self.n, -1),
-                                torch.cat([t & 0xF, t >> 4], dim=2).reshape(self.n, -1)], dim=1)
-            stored = stored.to(torch.int16)
-        q = torch.empty_like(stored)
-        q[:, kernel_order(self.k)] = stored
-        return q
+            b = self.qs.view(nb, g, 4, 1, 64)
+            t = torch.cat([b & 0xF, b >> 4], dim=3).view(nb, g, 8, 64).to(torch.int16)
+        return t.view(nb, g, 8, UNIT, 4).permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([N, G], [N, G] | None)
+        def rows(v: torch.Tensor) -> torch.Tensor:
+            return v.transpose(1, 2).reshape(self.n, self.k // GROUP)
+
+        return rows(self.d), None if self.mn is None else rows(self.mn)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[N, K] float32 (or the rows [R, K] given by index)."""
-        w = self if rows is None else self.select(rows)
-        q = w.values().float().view(-1, w.k // GROUP, GROUP)
-        out = q * w.d.float()[..., None]
-        if w.mn is not None:
-            out = out + w.mn.float()[..., None]
-        return out.view(-1, w.k)
+        q = self.values().float().view(self.n, self.k // GROUP, GROUP)
+        d, mn = self.scales()
+        out = q * d.float()[..., None]
+        if mn is not None:
+            out = out + mn.float()[..., None]
+        out = out.view(self.n, self.k)
+        return out if rows is None else out[rows]
 
     def select(self, rows: torch.Tensor) -> QuantWeight:
-        mn = None if self.mn is None else self.mn[rows]
-        return QuantWeight(self.kind, self.qs[rows], self.d[rows], mn, int(rows.numel()), self.k)
+        """The weight made of the given rows, in order (re-packed into units)."""
+        assert int(rows.max()) < self.rows
+        d, mn = self.scales()
+        return QuantWeight.pack(self.kind, self.values()[rows], d[rows].float(),
+                                None if mn is None else mn[rows].float())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.mn)
@@ -106,7 +124,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     xd = g.abs().amax(dim=-1) / 127.0
     inv = torch.where(xd > 0, 1.0 / xd, torch.zeros_like(xd))
     xq = torch.round(g * inv[..., None]).clamp(-127, 127)
-    return xq.to(torch.int8).view(m, k), xd, xd * xq.sum(dim=-1)  # xq in natural order
+    return xq.to(torch.int8).view(m, k), xd, xd * xq.sum(dim=-1)
 
 
 def quant_matmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -116,22 +134,11 @@ def quant_matmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     q = w.values().to(torch.int32).view(w.n, w.k // GROUP, GROUP)
     a = xq.to(torch.int32).view(m, w.k // GROUP, GROUP)
     dots = torch.einsum("mgi,ngi->mng", a, q).float()  # [M, N, G], exact integers
-    y = (dots * w.d.float()[None] * xd[:, None]).sum(-1)
-    if w.mn is not None:
-        y = y + xs @ w.mn.float().t()
+    d, mn = w.scales()
+    y = (dots * d.float()[None] * xd[:, None]).sum(-1)
+    if mn is not None:
+        y = y + xs @ mn.float().t()
     return y
-
-
-@functools.cache
-def kernel_order(k: int) -> torch.Tensor:
-    """[K] int64: the natural index k of the value at each storage position of a row (the
-    "kernel order" of quant_matmul.c): blocks of 256 where position 64 s + 4 l + i holds
-    k = 32 (l & 7) + 16 (l >> 3) + 4 s + i, then a tail in natural order."""
-    full = (k // 256) * 256
-    s, lane, i = torch.meshgrid(torch.arange(4), torch.arange(16), torch.arange(4), indexing="ij")
-    block = (32 * (lane & 7) + 16 * (lane >> 3) + 4 * s + i).reshape(256)
-    starts = torch.arange(0, full, 256)[:, None]
-    return torch.cat([(starts + block).reshape(-1), torch.arange(full, k)])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -139,14 +146,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-                 isa: str = "auto", out: torch.Tensor | None = None, col: int = 0
+                 path: str = "auto", out: torch.Tensor | None = None, col: int = 0
                  ) -> torch.Tensor:
     """x [M, K] float32 @ w^T (+ bias [N]) -> [M, N] float32, or into columns col:col+N of
-    `out` [M, >= col + N]."""
-    from specdec.cpu_kernels.build import choose_isa, load
+    `out` [M, >= col + N]. `path`: "portable", "avx512", "amx" or "auto" (the fastest measured
+    for this row count, specdec/cpu_kernels/build.py); every path gives the same result."""
+    from specdec.cpu_kernels.build import PATHS, choose_path, library
 
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == w.k, (x.shape, w.k)
-    assert x.device.type == "cpu"
     x = x.contiguous()
     m = x.shape[0]
     if out is None:
@@ -154,41 +161,59 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     assert out.dtype == torch.float32 and out.is_contiguous() and out.shape[0] == m
     assert out.shape[1] >= col + w.n
     assert bias is None or (bias.dtype == torch.float32 and bias.shape == (w.n,))
-    lib = load(choose_isa() if isa == "auto" else isa)
+    path = choose_path(m) if path == "auto" else path
+    lib = library(path)
     xq = torch.empty(m, w.k, dtype=torch.int8)
     xd = torch.empty(m, w.k // GROUP)
     xs = torch.empty(m, w.k // GROUP)
     lib.sd_quantize_rows(x.data_ptr(), m, w.k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
     fn = lib.sd_q4_matmul if w.kind == "q4" else lib.sd_q8_matmul
     fn(xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), m, w.k, w.qs.data_ptr(), w.d.data_ptr(),
-       _ptr(w.mn), _ptr(bias), w.n, ctypes.c_void_p(out.data_ptr() + 4 * col), out.shape[1])
+       _ptr(w.mn), _ptr(bias), w.n, ctypes.c_void_p(out.data_ptr() + 4 * col), out.shape[1],
+       PATHS[path])
     return out
 
 
 class QuantLinear(nn.Module):
     """y = x @ W^T + b with W in parts stacked along N (one QuantWeight each)."""
 
-    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, isa: str = "auto"
-                 ) -> None:
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, path: str = "auto",
+                 out_features: int | None = None) -> None:
         super().__init__()
         if len({p.k for p in parts}) != 1:
             raise ValueError("parts of one layer must share K")
         self.parts = parts
-        self.out_features = sum(p.n for p in parts)
+        self.width = sum(p.n for p in parts)  # padded to units of 16 rows per part
+        self.out_features = out_features or sum(p.rows for p in parts)
+        # the real columns among the padded ones (None: they are the first out_features)
+        self.columns: torch.Tensor | None = None
+        if any(p.rows != p.n for p in parts[:-1]):
+            starts = torch.tensor([0] + [p.n for p in parts[:-1]]).cumsum(0)
+            self.columns = torch.cat([s + torch.arange(p.rows) for s, p in zip(starts, parts)])
         self.in_features = parts[0].k
+        if bias is not None:  # laid out like the padded output
+            chunks, col = [], 0
+            for p in parts:
+                chunks += [bias[col:col + p.rows].float(), torch.zeros(p.n - p.rows)]
+                col += p.rows
+            bias = torch.cat(chunks)
         self.bias = None if bias is None else bias.float().contiguous()
-        self.isa = isa
+        self.path = path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
-        out = torch.empty(x2.shape[0], self.out_features)
+        out = torch.empty(x2.shape[0], self.width)
         col = 0
         for p in self.parts:
             b = None if self.bias is None else self.bias[col:col + p.n]
-            quant_matmul(x2, p, b, self.isa, out, col)
+            quant_matmul(x2, p, b, self.path, out, col)
             col += p.n
-        return out.view(*lead, self.out_features)
+        if self.columns is not None:
+            out = out.index_select(1, self.columns)
+        elif self.width != self.out_features:
+            out = out[:, :self.out_features]
+        return out.reshape(*lead, self.out_features)
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts)
@@ -197,10 +222,27 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """Row lookup in a quantized table, dequantizing only the rows asked for."""
 
-    def __init__(self, weight: QuantWeight) -> None:
+    def __init__(self, weight: QuantWeight, num_embeddings: int) -> None:
         super().__init__()
         self.table = weight
-        self.num_embeddings, self.embedding_dim = weight.n, weight.k
+        self.num_embeddings, self.embedding_dim = num_embeddings, weight.k
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] float32
-        return self.table.dequantize(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+        return embed_rows(self.table, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+
+
+def embed_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Dequantize only the rows `ids` [R] of w -> [R, K] float32."""
+    blk, i = ids // UNIT, ids % UNIT  # unit row block and row within it
+    g = w.k // GROUP
+    if w.kind == "q8":
+        t = w.qs[blk].view(-1, g, 8, UNIT, 4)[torch.arange(len(ids)), :, :, i]  # [R, G, 8, 4]
+        q = t.to(torch.float32)
+    else:
+        b = w.qs[blk].view(-1, g, 4, UNIT, 4)[torch.arange(len(ids)), :, :, i]  # [R, G, 4, 4]
+        q = torch.stack([b & 0xF, b >> 4], dim=3).to(torch.float32)  # [R, G, 4, 2, 4]
+    q = q.reshape(len(ids), g, GROUP)
+    out = q * w.d[blk, :, i].float()[..., None]
+    if w.mn is not None:
+        out = out + w.mn[blk, :, i].float()[..., None]
+    return out.reshape(len(ids), w.k)

@@ -42,7 +42,7 @@ def _linear(weights: dict[str, QuantWeight | torch.Tensor], biases: dict[str, to
     bs = [biases.pop(f"{n}.bias", None) for n in names]
     bias = None
     if any(b is not None for b in bs):
-        bias = torch.cat([b if b is not None else torch.zeros(p.n) for b, p in zip(bs, parts)])
+        bias = torch.cat([b if b is not None else torch.zeros(p.rows) for b, p in zip(bs, parts)])
     return QuantLinear(parts, bias)
 
 
@@ -60,13 +60,14 @@ def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str) -> Ll
     embed = weights.pop("model.embed_tokens.weight", None)
     if embed is None:
         raise ValueError(f"{gguf} has no token_embd.weight")
-    model.model.embed_tokens = (QuantEmbedding(embed) if isinstance(embed, QuantWeight)
+    vocab = int(model.hf["vocab_size"])
+    model.model.embed_tokens = (QuantEmbedding(embed, vocab) if isinstance(embed, QuantWeight)
                                 else nn.Embedding.from_pretrained(embed, freeze=True))
     head = weights.pop("lm_head.weight", None)
     if head is None:  # tied: the output layer reads the embedding's table
         head = embed
     model.tie_word_embeddings = head is embed
-    model.lm_head = (QuantLinear([head], None) if isinstance(head, QuantWeight)
+    model.lm_head = (QuantLinear([head], None, out_features=vocab) if isinstance(head, QuantWeight)
                      else _float_linear(head))
     # What is left (norms, q/k norms) are float parameters still to fill.
     params = dict(model.named_parameters())
