@@ -38,7 +38,8 @@ class DraftModelDrafter(Drafter):
         # acceptance and 40% of the draft's bytes (bench/results/cpu_draft_*.json).
         quant = "none" if target.quantization == "none" else DRAFT_QUANTIZATION
         mc = resolve_model_config(ModelConfig(model=draft_model, dtype=target.dtype,
-                                              device=target.device, quantization=quant))
+                                              device=target.device, quantization=quant,
+                                              cpu_kernel=target.cpu_kernel))
         if mc.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {draft_model!r} has vocab_size {mc.vocab_size}, the "
                              f"target {target.vocab_size}: a draft model must share the "
@@ -192,7 +193,7 @@ class ReducedHead(torch.nn.Module):
         if isinstance(head, QuantLinear):
             assert len(head.parts) == 1
             self.sub: torch.nn.Module = QuantLinear([head.parts[0].select(ids)], None,
-                                                    out_features=len(ids))
+                                                    head.path, len(ids))
         else:
             self.sub = torch.nn.Linear(head.in_features, len(ids), bias=False)
             self.sub.weight = torch.nn.Parameter(head.weight[ids].detach(), requires_grad=False)

@@ -17,8 +17,12 @@ log = logging.getLogger("specdec.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specdec.cli import HelpFormatter, add_weight_args
+
     p = argparse.ArgumentParser(prog="specdec serve",
-                                description="OpenAI-compatible server with speculative decoding")
+                                description="OpenAI-compatible server with speculative decoding",
+                                formatter_class=HelpFormatter)
+    add_weight_args(p)
     p.add_argument("--model", default="qwen2.5-coder-1.5b",
                    help="preset name, HF-style directory or .gguf file")
     p.add_argument("--served-model-name", default=None, help="model id clients must send")
@@ -84,6 +88,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["overlap"] = False
     if args.no_spec_overlap:
         kw["spec_overlap"] = False
+    kw["quantization"], kw["cpu_kernel"] = args.quantization, args.cpu_kernel
     for name in ("dtype", "device", "max_num_seqs", "max_model_len"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

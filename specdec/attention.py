@@ -159,7 +159,7 @@ class TorchAttentionBackend:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
 
 
-def get_attention_backend(name: str, device: torch.device):
+def get_attention_backend(name: str, device: torch.device, cpu_kernel: str = "auto"):
     """'auto' picks Triton on CUDA and the row kernel on the CPU (specdec/cpu_kernels)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"
@@ -168,7 +168,7 @@ def get_attention_backend(name: str, device: torch.device):
     if name == "cpu":
         from specdec.cpu_kernels.attention import CpuAttentionBackend
 
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(cpu_kernel)
     if name == "triton":
         from verify_kernels.backend import TritonAttentionBackend
 

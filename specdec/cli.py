@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 
 def _generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="specdec generate",
-                                description="Complete a prompt, streaming tokens as they come")
+                                description="Complete a prompt, streaming tokens as they come",
+                                formatter_class=HelpFormatter)
     p.add_argument("prompt")
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    add_weight_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -25,7 +28,7 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--speculative", default=None,
                    help="'none', 'ngram', 'draft_model' or a JSON dict such as "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 6}'")
@@ -38,8 +41,17 @@ def _generate(argv: list[str]) -> int:
 
     from specdec import LLM, SamplingParams
 
+    t0 = time.monotonic()
+    _note(f"loading {a.model} ...")
     llm = LLM(model=a.model, dtype=a.dtype, device=a.device, speculative=_spec(a),
-              adaptive_speculation=not a.no_adaptive_speculation)
+              adaptive_speculation=not a.no_adaptive_speculation, quantization=a.quantization,
+              cpu_kernel=a.cpu_kernel)
+    spec = llm.engine.default_spec
+    if spec.method != "none":
+        _note(f"loading the {spec.method} drafter"
+              + (f" ({spec.draft_model})" if spec.draft_model else "") + " ...")
+        llm.engine.load_default_drafter()
+    _note(f"ready in {time.monotonic() - t0:.1f} s")
     prompt: Any = a.prompt
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template(
@@ -63,6 +75,40 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, options without help text too."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        if not action.help and action.option_strings and action.default not in (
+                None, argparse.SUPPRESS, False):
+            action.help = "(default: %(default)s)"  # argparse prints nothing for no help
+        super().add_argument(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, argparse.SUPPRESS, False):
+            return text
+        if action.option_strings or action.nargs in ("?", "*"):
+            text = (text.strip() + " (default: %(default)s)").strip()
+        return text
+
+
+def _note(text: str) -> None:
+    print(f"specdec: {text}", file=sys.stderr, flush=True)
+
+
+def add_weight_args(p: argparse.ArgumentParser) -> None:
+    """--quantization and --cpu-kernel, shared by `generate` and `serve`."""
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int4", "int8"],
+                   help="GGUF weights: 'auto' keeps them quantized as the file holds them (CPU), "
+                        "'int4'/'int8' converts every weight to that kind, 'none' dequantizes "
+                        "to --dtype (the exact float path)")
+    p.add_argument("--cpu-kernel", default="auto",
+                   choices=["auto", "portable", "avx512", "amx"],
+                   help="CPU kernels for quantized weights and attention; 'auto' times them "
+                        "on first use (all give identical results)")
+
+
 def _spec(a: argparse.Namespace) -> dict[str, Any] | None:
     if a.speculative is None and a.draft_model is None:
         return None
@@ -81,7 +127,8 @@ def _spec(a: argparse.Namespace) -> dict[str, Any] | None:
 def _pull(argv: list[str]) -> int:
     from specdec.hub import PRESETS, pull
 
-    p = argparse.ArgumentParser(prog="specdec pull", description="Install a preset model")
+    p = argparse.ArgumentParser(prog="specdec pull", description="Install a preset model",
+                                formatter_class=HelpFormatter)
     p.add_argument("name", choices=sorted(PRESETS))
     a = p.parse_args(argv)
     print(pull(a.name, progress=True))
@@ -103,14 +150,21 @@ def _train(argv: list[str]) -> int:
 COMMANDS = {"generate": _generate, "pull": _pull, "serve": _serve, "train-drafter": _train}
 
 
+USAGE = ("usage: specdec {generate,pull,serve,train-drafter} ...\n"
+         "  generate [--model M] PROMPT   complete a prompt (streams)\n"
+         "  pull NAME                     install a preset model\n"
+         "  serve [--model M] ...         OpenAI-compatible HTTP server\n"
+         "  train-drafter --target M ...  train an EAGLE head\n"
+         "`specdec COMMAND --help` lists a command's options and their defaults.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print("usage: specdec {generate,pull,serve,train-drafter} ...\n"
-              "  generate [--model M] PROMPT   complete a prompt (streams)\n"
-              "  pull NAME                     install a preset model\n"
-              "  serve [--model M] ...         OpenAI-compatible HTTP server\n"
-              "  train-drafter --target M ...  train an EAGLE head", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     return COMMANDS[argv[0]](argv[1:])
 

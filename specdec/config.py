@@ -29,6 +29,9 @@ class ModelConfig:
     # kind; "none": dequantized to `dtype` (the exact float path). Resolved to one of
     # "none" | "auto" | "int4" | "int8" by resolve_model_config.
     quantization: str = "auto"
+    # CPU kernels for quantized weights and attention: "auto" (the fastest measured per row
+    # count), or one of "portable", "avx512", "amx" (identical results; a test forces them).
+    cpu_kernel: str = "auto"
     # Filled in by resolve_config:
     path: str | None = None  # resolved local HF-style directory
     hf_config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
@@ -161,9 +164,13 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
 
 
 def _quantization(mc: ModelConfig, path: Path) -> str:
+    from specdec.cpu_kernels.build import PATHS
     from specdec.models.gguf_weights import QUANTIZATIONS
     from specdec.models.loader import gguf_source
 
+    if mc.cpu_kernel not in ("auto", *PATHS):
+        raise ValueError(f"cpu_kernel must be 'auto' or one of {sorted(PATHS)}, got "
+                         f"{mc.cpu_kernel!r}")
     q = mc.quantization
     if q not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {q!r}")

@@ -87,8 +87,8 @@ class LLMEngine:
     def from_args(model: str, dtype: str = "float32", device: str = "cpu",
                   speculative: dict[str, Any] | None = None, **kw: Any) -> LLMEngine:
         """Build from flat keyword arguments (the Python API and the CLI use this)."""
-        mc_kw = {k: kw.pop(k) for k in ("load_format", "max_model_len", "quantization")
-                 if k in kw}
+        mc_kw = {k: kw.pop(k) for k in ("load_format", "max_model_len", "quantization",
+                                        "cpu_kernel") if k in kw}
         cc_kw = {k: kw.pop(k) for k in ("block_size", "num_blocks", "cpu_kv_bytes",
                                         "gpu_memory_utilization", "enable_prefix_caching")
                  if k in kw}

@@ -64,12 +64,12 @@ class ModelRunner:
         self.device = torch.device(mc.device)
         self.dtype = mc.torch_dtype
         self.model = build_model(mc.hf_config, mc.path, self.dtype, self.device, mc.load_format,
-                                 mc.quantization)
+                                 mc.quantization, mc.cpu_kernel)
         self.block_size = cc.block_size
         self.num_blocks = cc.num_blocks or self._budget_blocks(mc, cc)
         self.kv = _kv_cache((mc.num_layers, 2, self.num_blocks, cc.block_size, mc.num_kv_heads,
                              mc.head_dim), self.dtype, self.device)
-        self.backend = get_attention_backend(attention_backend, self.device)
+        self.backend = get_attention_backend(attention_backend, self.device, mc.cpu_kernel)
         self.vocab_size = mc.vocab_size
         # --- CUDA graphs: CUDA with the Triton backend only; None keeps every step eager. ---
         self.graphs = None

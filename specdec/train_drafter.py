@@ -176,8 +176,10 @@ def measure_tau(target: str, head_dir: Path, n: int, max_tokens: int) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specdec.cli import HelpFormatter
+
     ap = argparse.ArgumentParser(prog="specdec train-drafter", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--target", required=True)
     ap.add_argument("--data", default="sharegpt", help="sharegpt, humaneval or a .jsonl file")
     ap.add_argument("--out", required=True)

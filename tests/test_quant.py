@@ -112,7 +112,7 @@ def _random_blocks(qtype: object, n: int, k: int, rng: np.random.Generator) -> n
 def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, object, tuple[int, int]]]
                 ) -> None:
     w = gguf.GGUFWriter(str(path), "llama")
-    for name, (data, qtype, shape) in tensors.items():
+    for name, (data, qtype, _shape) in tensors.items():
         if qtype == T.F32:
             w.add_tensor(name, data)
         else:

@@ -60,8 +60,8 @@ def gguf_source(path: str | Path | None) -> Path | None:
 
 
 def build_model(hf: dict[str, Any], path: str | None, dtype: torch.dtype,
-                device: torch.device, load_format: str = "auto", quantization: str = "none"
-                ) -> LlamaForCausalLM:
+                device: torch.device, load_format: str = "auto", quantization: str = "none",
+                cpu_kernel: str = "auto") -> LlamaForCausalLM:
     """quantization: "none" loads float weights of `dtype`; otherwise (a GGUF source on the CPU)
     the linear layers and embeddings stay quantized (specdec/models/gguf_weights.py)."""
     arch = architecture_of(hf)
@@ -74,7 +74,7 @@ def build_model(hf: dict[str, Any], path: str | None, dtype: torch.dtype,
                              "use quantization='none' for other devices and dtypes")
         from specdec.models.quant_model import load_quantized
 
-        model = load_quantized(model, gguf, quantization)
+        model = load_quantized(model, gguf, quantization, cpu_kernel)
         _init_rope(model, hf, device)
         return model.eval()
     model = model.to_empty(device=device).to(dtype)

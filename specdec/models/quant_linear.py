@@ -151,27 +151,43 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     """x [M, K] float32 @ w^T (+ bias [N]) -> [M, N] float32, or into columns col:col+N of
     `out` [M, >= col + N]. `path`: "portable", "avx512", "amx" or "auto" (the fastest measured
     for this row count, specdec/cpu_kernels/build.py); every path gives the same result."""
-    from specdec.cpu_kernels.build import PATHS, choose_path, library
-
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == w.k, (x.shape, w.k)
-    x = x.contiguous()
     m = x.shape[0]
     if out is None:
         out, col = torch.empty(m, w.n), 0
     assert out.dtype == torch.float32 and out.is_contiguous() and out.shape[0] == m
     assert out.shape[1] >= col + w.n
     assert bias is None or (bias.dtype == torch.float32 and bias.shape == (w.n,))
-    path = choose_path(m) if path == "auto" else path
-    lib = library(path)
-    xq = torch.empty(m, w.k, dtype=torch.int8)
-    xd = torch.empty(m, w.k // GROUP)
-    xs = torch.empty(m, w.k // GROUP)
-    lib.sd_quantize_rows(x.data_ptr(), m, w.k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
-    fn = lib.sd_q4_matmul if w.kind == "q4" else lib.sd_q8_matmul
-    fn(xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), m, w.k, w.qs.data_ptr(), w.d.data_ptr(),
-       _ptr(w.mn), _ptr(bias), w.n, ctypes.c_void_p(out.data_ptr() + 4 * col), out.shape[1],
-       PATHS[path])
+    acts = QuantActivations(x, path)
+    acts.matmul(w, bias, out, col)
     return out
+
+
+class QuantActivations:
+    """x [M, K] float32 quantized once (int8 per group of 32) for any number of matmuls."""
+
+    def __init__(self, x: torch.Tensor, path: str = "auto") -> None:
+        from specdec.cpu_kernels.build import PATHS, choose_path, library
+
+        self.x = x.contiguous()
+        m, k = self.x.shape
+        self.path = choose_path(m) if path == "auto" else path
+        self.code = PATHS[self.path]
+        self.lib = library(self.path)
+        self.m, self.k = m, k
+        self.xq = torch.empty(m, k, dtype=torch.int8)
+        self.xd = torch.empty(m, k // GROUP)
+        self.xs = torch.empty(m, k // GROUP)
+        self.lib.sd_quantize_rows(self.x.data_ptr(), m, k, self.xq.data_ptr(),
+                                  self.xd.data_ptr(), self.xs.data_ptr())
+
+    def matmul(self, w: QuantWeight, bias: torch.Tensor | None, out: torch.Tensor,
+               col: int) -> None:
+        """out[:, col:col + w.n] = x @ w^T (+ bias); out [M, >= col + w.n] float32."""
+        fn = self.lib.sd_q4_matmul if w.kind == "q4" else self.lib.sd_q8_matmul
+        fn(self.xq.data_ptr(), self.xd.data_ptr(), self.xs.data_ptr(), self.m, self.k,
+           w.qs.data_ptr(), w.d.data_ptr(), _ptr(w.mn), _ptr(bias), w.n,
+           ctypes.c_void_p(out.data_ptr() + 4 * col), out.shape[1], self.code)
 
 
 class QuantLinear(nn.Module):
@@ -204,10 +220,10 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
         out = torch.empty(x2.shape[0], self.width)
+        acts = QuantActivations(x2, self.path)  # quantized once for every part
         col = 0
         for p in self.parts:
-            b = None if self.bias is None else self.bias[col:col + p.n]
-            quant_matmul(x2, p, b, self.path, out, col)
+            acts.matmul(p, None if self.bias is None else self.bias[col:col + p.n], out, col)
             col += p.n
         if self.columns is not None:
             out = out.index_select(1, self.columns)

@@ -31,7 +31,7 @@ def _set(root: nn.Module, dotted: str, module: nn.Module) -> None:
 
 
 def _linear(weights: dict[str, QuantWeight | torch.Tensor], biases: dict[str, torch.Tensor],
-            names: tuple[str, ...], where: str) -> QuantLinear:
+            names: tuple[str, ...], where: str, cpu_kernel: str) -> QuantLinear:
     parts = []
     for n in names:
         w = weights.pop(f"{n}.weight", None)
@@ -43,11 +43,12 @@ def _linear(weights: dict[str, QuantWeight | torch.Tensor], biases: dict[str, to
     bias = None
     if any(b is not None for b in bs):
         bias = torch.cat([b if b is not None else torch.zeros(p.rows) for b, p in zip(bs, parts)])
-    return QuantLinear(parts, bias)
+    return QuantLinear(parts, bias, cpu_kernel)
 
 
 @torch.no_grad()
-def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str) -> LlamaForCausalLM:
+def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str,
+                   cpu_kernel: str = "auto") -> LlamaForCausalLM:
     weights: dict[str, QuantWeight | torch.Tensor] = {}
     for name, w in load_tensors(gguf, model.hf, quantization):
         weights[name] = w
@@ -55,7 +56,8 @@ def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str) -> Ll
     for i in range(len(model.model.layers)):
         for ours, theirs in _PARTS.items():
             prefix = f"model.layers.{i}."
-            layer = _linear(weights, biases, tuple(prefix + t for t in theirs), str(gguf))
+            layer = _linear(weights, biases, tuple(prefix + t for t in theirs), str(gguf),
+                            cpu_kernel)
             _set(model, prefix + ours, layer)
     embed = weights.pop("model.embed_tokens.weight", None)
     if embed is None:
@@ -67,7 +69,7 @@ def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str) -> Ll
     if head is None:  # tied: the output layer reads the embedding's table
         head = embed
     model.tie_word_embeddings = head is embed
-    model.lm_head = (QuantLinear([head], None, out_features=vocab) if isinstance(head, QuantWeight)
+    model.lm_head = (QuantLinear([head], None, cpu_kernel, vocab) if isinstance(head, QuantWeight)
                      else _float_linear(head))
     # What is left (norms, q/k norms) are float parameters still to fill.
     params = dict(model.named_parameters())
