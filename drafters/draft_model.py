@@ -61,6 +61,7 @@ class DraftModelDrafter(Drafter):
                                                     draft_vocab_ids(tok, DRAFT_VOCAB))
         self.blocks = BlockManager(self.runner.num_blocks, draft_cache.block_size, False)
         self.vocab_size = mc.vocab_size
+        self.last_catch_up = 0  # tokens fed before the first draft of the last proposal
         self._seqs: dict[str, Sequence] = {}
         # Per request after propose: (tokens up to the root, chain tokens whose KV was computed).
         self._fed: dict[str, tuple[int, list[int]]] = {}
@@ -82,6 +83,7 @@ class DraftModelDrafter(Drafter):
                  for r in batch]
         # Tokens each sequence feeds this pass: first its catch-up chunk (ending at the root).
         feed = [s.tokens[s.num_computed:] for s in states]
+        self.last_catch_up = max((len(f) for f in feed), default=0)
         trees: list[tuple[list[int], list[int]]] = [([], []) for _ in batch]
         probs: list[list[torch.Tensor]] = [[] for _ in batch]
         live = [d > 0 and self.blocks.reserve(s, len(f) + d)

@@ -100,7 +100,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def _load(args: argparse.Namespace, progress: Progress) -> AsyncEngine:
+def _load(args: argparse.Namespace, progress: Progress) -> Any:
     """Everything the default configuration uses, pulled and loaded before the server says it
     is ready: the target, the default drafter's model, and one short warm-up generation (it
     compiles and chooses the CPU kernels, or captures the CUDA graphs)."""
@@ -133,7 +133,7 @@ def _load(args: argparse.Namespace, progress: Progress) -> AsyncEngine:
     engine.add_request("warm-up", [0], SamplingParams(max_tokens=4, temperature=0.0))
     while engine.has_unfinished():
         engine.step()
-    return AsyncEngine(engine, max_waiting=args.max_waiting)
+    return engine
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -170,10 +170,12 @@ async def _serve(args: argparse.Namespace) -> None:
 
     async def load() -> None:
         t0 = time.monotonic()
-        try:
-            aengine = await asyncio.to_thread(_load, args, progress)
-        except Exception as e:  # stay up to say why, as /health and in the log
-            log.exception("loading failed")
+        # Built on the engine's own thread, which then runs every step (see AsyncEngine).
+        aengine = AsyncEngine(build=lambda: _load(args, progress), max_waiting=args.max_waiting)
+        await asyncio.to_thread(aengine.ready.wait)
+        if aengine.build_error is not None:  # stay up to say why, as /health and in the log
+            e = aengine.build_error
+            log.error("loading failed", exc_info=(type(e), e, e.__traceback__))
             progress.fail(f"{type(e).__name__}: {e}")
             return
         engines.append(aengine)

@@ -29,7 +29,7 @@ from specdec.sampler import row_contexts
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler, StepPlan
 from specdec.sequence import Sequence
-from specdec.spec_control import Candidate, SpeculationController
+from specdec.spec_control import Candidate, SpeculationController, prior_for
 from specdec.spec_overlap import SpecPipeline
 from specdec.step_results import (
     PendingStep,
@@ -254,7 +254,8 @@ class LLMEngine:
             if s.spec_options.get("adaptive", self.adaptive_default):
                 cands.append(Candidate(
                     s.request_id, s.spec_method, s.spec_k, self._spec.get(s.request_id),
-                    self._drafter_of(s).max_nodes(1, s.spec_options)))
+                    self._drafter_of(s).max_nodes(1, s.spec_options),
+                    prior_for(self.spec_totals.get(s.spec_method))))
             else:
                 fixed[s.request_id] = s.spec_k
         plain = len(decoding) - len(fixed) - len(cands)
@@ -286,8 +287,10 @@ class LLMEngine:
                 options=plan.decodes[i].seq.spec_options, params=plan.decodes[i].seq.params,
                 generator=self._gens[plan.decodes[i].seq.request_id]) for i in idxs]
             tree: DraftTree = self._drafter(*key).propose(batch)
+            drafter = self._drafter(*key)
             self.spec_control.record_draft(key[0], max(r.k for r in batch),
-                                           time.perf_counter() - t0)
+                                           time.perf_counter() - t0,
+                                           getattr(drafter, "last_catch_up", 1))
             # Whole-batch host copies: one conversion each, not one per sequence.
             all_toks, all_pars = tree.host_lists()
             stoch = tree.stochastic.tolist() if tree.draft_probs is not None else None

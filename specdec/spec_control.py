@@ -13,9 +13,10 @@ they turn out to be expensive.
 
 A shared machine only ever adds time to a step, so a cost is the fastest of its recent
 measurements, not their mean: a few steps slowed by another process do not make speculation look
-expensive. And a controller that has settled on plain decoding still probes the full depth now
-and then (every PROBE_EVERY steps), so that costs and acceptance measured in a bad moment are
-measured again instead of deciding "never".
+expensive. And every PROBE_EVERY steps the controller runs one step at another depth (1, 2, ...
+max in turn), so that every depth's cost is measured and measured again, and a choice made in a
+bad moment, plain decoding included, is not final. A drafter's time per unit of depth is not
+kept for proposals that first had to catch up on tokens decoded without it.
 """
 
 from __future__ import annotations
@@ -44,15 +45,24 @@ class Candidate:
     max_k: int  # the request's num_speculative_tokens
     metrics: SpecMetrics | None
     nodes_per_depth: int  # tree width: nodes added per unit of depth
+    prior: float = PRIOR_ACCEPT  # acceptance assumed before its own evidence (see prior_for)
 
 
-def acceptance(m: SpecMetrics | None) -> float:
+def acceptance(m: SpecMetrics | None, prior: float = PRIOR_ACCEPT) -> float:
     """Per-token acceptance probability: accepted tokens over draft trials (each verification
     that stopped early ends with one rejected trial)."""
     if m is None:
-        return PRIOR_ACCEPT
+        return prior
     trials = m.accepted_tokens + m.rejected_steps
-    return (m.accepted_tokens + PRIOR_ACCEPT * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT)
+    return (m.accepted_tokens + prior * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT)
+
+
+def prior_for(totals: SpecMetrics | None) -> float:
+    """A new request's prior: its drafter's acceptance over the requests so far, once there is
+    enough of it (a fixed guess made every request start too shallow or too deep)."""
+    if totals is None or totals.accepted_tokens + totals.rejected_steps < 16:
+        return PRIOR_ACCEPT
+    return acceptance(totals)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -68,6 +78,7 @@ class SpeculationController:
         self.pass_time: dict[int, float] = {}  # the fastest recent pass per bucket
         self.draft_time: dict[str, float] = {}  # the fastest recent drafting per unit of depth
         self._since_probe = 0
+        self._probe = 0
 
     def record_pass(self, rows: int, seconds: float) -> None:
         b = _bucket(rows)
@@ -75,8 +86,11 @@ class SpeculationController:
         window.append(seconds)
         self.pass_time[b] = min(window)
 
-    def record_draft(self, method: str, depth: int, seconds: float) -> None:
-        if depth <= 0:
+    def record_draft(self, method: str, depth: int, seconds: float, catch_up: int = 1) -> None:
+        """`catch_up`: tokens the drafter had to feed before its first draft (more than the
+        bonus token after steps that did not speculate). Such a proposal's time says little of
+        what drafting costs every step, so it is not kept."""
+        if depth <= 0 or catch_up > 2:
             return
         window = self._draft.setdefault(method, deque(maxlen=WINDOW))
         window.append(seconds / depth)
@@ -100,7 +114,7 @@ class SpeculationController:
         if _bucket(base_rows) not in self.pass_time:
             # Measure plain decoding at this size once: everything is compared with it.
             return {c.request_id: 0 for c in cands}
-        accept = {c.request_id: acceptance(c.metrics) for c in cands}
+        accept = {c.request_id: acceptance(c.metrics, c.prior) for c in cands}
         best_k, best_rate = 0, -1.0
         for k in range(max(c.max_k for c in cands) + 1):
             rows = base_rows + sum(min(k, c.max_k) * c.nodes_per_depth for c in cands)
@@ -111,8 +125,9 @@ class SpeculationController:
             rate = gain / cost if cost > 0 else float(gain)
             if rate > best_rate * 1.001:
                 best_k, best_rate = k, rate
-        self._since_probe = self._since_probe + 1 if best_k == 0 else 0
-        if self._since_probe >= PROBE_EVERY:
+        self._since_probe += 1
+        if self._since_probe >= PROBE_EVERY:  # each probe tries the next depth, 1 .. max
             self._since_probe = 0
-            best_k = max(c.max_k for c in cands)
+            self._probe = self._probe % max(c.max_k for c in cands) + 1
+            best_k = self._probe
         return {c.request_id: min(best_k, c.max_k) for c in cands}

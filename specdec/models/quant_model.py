@@ -82,6 +82,11 @@ def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str,
         raise ValueError(f"{gguf} lacks weights for: {sorted(params)[:8]}")
     if biases:
         raise ValueError(f"GGUF biases with no layer: {sorted(biases)[:8]}")
+    if cpu_kernel == "auto":  # time the kernel paths now, not inside the first steps
+        from specdec.cpu_kernels.build import choose_path
+
+        for rows in (1, 2, 4, 8, 16):
+            choose_path(rows)
     return model
 
 
