@@ -102,9 +102,10 @@ def main() -> None:
     p.add_argument("--draft-max", type=int, default=8)
     p.add_argument("--engines", default="llama_plain,llama_spec,specdec_plain,specdec_spec")
     p.add_argument("--specdec-args", default="", help="extra `specdec serve` arguments")
+    p.add_argument("--dataset", default="humaneval", choices=["humaneval", "sharegpt"])
     a = p.parse_args()
 
-    from prompts import humaneval_texts
+    from prompts import humaneval_texts, sharegpt_texts
 
     from specdec.hub import PRESETS, cache_root, pull
 
@@ -139,7 +140,7 @@ def main() -> None:
             t0 = time.monotonic()
             _wait_ready(url, proc, 1800)
             t_start[name] = time.monotonic() - t0
-        texts = humaneval_texts(a.prompts)
+        texts = (humaneval_texts if a.dataset == "humaneval" else sharegpt_texts)(a.prompts)
         results: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
         # One short warm-up request each (first-use costs: kernel choice, page faults).
         for e in engines:
@@ -190,7 +191,7 @@ def main() -> None:
         same = sum(x["text"] == y["text"] for x, y in zip(results["llama_plain"],
                                                           results["specdec_plain"]))
     out = {
-        "what": "bench/cpu_vs_llamacpp.py: HumanEval prompts, greedy, forced length, batch 1",
+        "what": f"bench/cpu_vs_llamacpp.py: {a.dataset} prompts, greedy, forced length, batch 1",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True, cwd=REPO).stdout.strip(),

@@ -183,6 +183,9 @@ class LLMEngine:
         spec = self.default_spec
         if spec.method != "none":
             self._drafter(spec.method, spec.draft_model)
+            from specdec.models.loader import release_freed_memory
+
+            release_freed_memory()
 
     def abort_request(self, request_id: str) -> None:
         seq = self.seqs.get(request_id)

@@ -29,7 +29,8 @@ from specdec.outputs import SpecMetrics
 PRIOR_ACCEPT = 0.6  # acceptance assumed before a request has any history
 PRIOR_WEIGHT = 2.0  # ... worth this many draft tokens of evidence
 WINDOW = 16  # recent measurements kept per cost
-PROBE_EVERY = 32  # steps between probes of full depth while plain decoding wins
+PROBE_EVERY = 32  # steps between probes of another depth
+TIE = 0.03  # rates this close to the best count as equal
 
 
 def _bucket(n: int) -> int:
@@ -115,16 +116,17 @@ class SpeculationController:
             # Measure plain decoding at this size once: everything is compared with it.
             return {c.request_id: 0 for c in cands}
         accept = {c.request_id: acceptance(c.metrics, c.prior) for c in cands}
-        best_k, best_rate = 0, -1.0
+        rates: list[float] = []
         for k in range(max(c.max_k for c in cands) + 1):
             rows = base_rows + sum(min(k, c.max_k) * c.nodes_per_depth for c in cands)
             methods = {c.method for c in cands if min(k, c.max_k) > 0}
             cost = self._pass_cost(rows) + sum(self.draft_time.get(m, 0.0) * k for m in methods)
             gain = plain_decodes + sum(
                 expected_tokens(accept[c.request_id], min(k, c.max_k)) for c in cands)
-            rate = gain / cost if cost > 0 else float(gain)
-            if rate > best_rate * 1.001:
-                best_k, best_rate = k, rate
+            rates.append(gain / cost if cost > 0 else float(gain))
+        # The deepest depth within TIE of the best: measured costs are noisy, and between
+        # near-equal choices the deeper one emits more per step for the same predicted rate.
+        best_k = max(k for k, r in enumerate(rates) if r >= (1 - TIE) * max(rates))
         self._since_probe += 1
         if self._since_probe >= PROBE_EVERY:  # each probe tries the next depth, 1 .. max
             self._since_probe = 0

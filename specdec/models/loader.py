@@ -76,6 +76,7 @@ def build_model(hf: dict[str, Any], path: str | None, dtype: torch.dtype,
 
         model = load_quantized(model, gguf, quantization, cpu_kernel)
         _init_rope(model, hf, device)
+        release_freed_memory()
         return model.eval()
     model = model.to_empty(device=device).to(dtype)
     if model.tie_word_embeddings:
@@ -96,6 +97,19 @@ def build_model(hf: dict[str, Any], path: str | None, dtype: torch.dtype,
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     model.fused = _can_fuse(model, device)
     return model.eval()
+
+
+def release_freed_memory() -> None:
+    """Hand the heap memory freed by loading (conversion temporaries) back to the OS. glibc
+    keeps it otherwise: the default server held 0.85 GB more resident memory without this."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _init_rope(model: LlamaForCausalLM, hf: dict[str, Any], device: torch.device) -> None:
