@@ -4,7 +4,9 @@ Three servers run at once, each idle while another is timed: llama.cpp's `llama-
 target alone, `llama-server` with the draft model (`-md DRAFT --draft-max 8`), and `specdec
 serve` with its defaults (plain requests send `"speculative": {"method": "none"}`; speculative
 ones send nothing, so they measure the default configuration). Every request is greedy, streams,
-and is forced to `--tokens` new tokens (`ignore_eos`); the engines take turns prompt by prompt.
+and is forced to `--tokens` new tokens (`ignore_eos`; llama.cpp also gets a -inf `logit_bias` on
+the tokenizer's added tokens, since its `ignore_eos` spares only EOS and it would stop at the
+other end-of-generation tokens); the engines take turns prompt by prompt.
 Decode tok/s is measured the same way for every engine, at the client: (tokens - 1) over the
 time from the first streamed token to the last. TTFT is the time to the first token. RSS is each
 server's resident memory after its requests (VmRSS), with its peak (VmHWM).
@@ -106,11 +108,13 @@ def main() -> None:
     a = p.parse_args()
 
     from prompts import humaneval_texts, sharegpt_texts
+    from transformers import AutoTokenizer
 
     from specdec.hub import PRESETS, cache_root, pull
 
     draft = PRESETS[a.target].draft
-    pull(a.target, progress=False)
+    special = sorted(AutoTokenizer.from_pretrained(pull(a.target, progress=False))
+                     .added_tokens_decoder)
     pull(draft, progress=False)
     tgt = cache_root() / "gguf" / PRESETS[a.target].gguf_name
     dft = cache_root() / "gguf" / PRESETS[draft].gguf_name
@@ -144,11 +148,11 @@ def main() -> None:
         results: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
         # One short warm-up request each (first-use costs: kernel choice, page faults).
         for e in engines:
-            _run(e, servers[e][1], texts[0], 8)
+            _run(e, servers[e][1], texts[0], 8, special)
         for i, prompt in enumerate(texts):
             order = engines if i % 2 == 0 else engines[::-1]
             for e in order:
-                r = _run(e, servers[e][1], prompt, a.tokens)
+                r = _run(e, servers[e][1], prompt, a.tokens, special)
                 results[e].append(r)
                 print(f"prompt {i} {e}: {r['decode_tok_s']:.2f} tok/s, ttft {r['ttft_s']:.2f} s"
                       + (f", tau {r['speculative'].get('tau')}" if r.get("speculative") else ""),
@@ -206,10 +210,11 @@ def main() -> None:
                       "plain_outputs_identical_to_llama_cpp": same}, indent=1))
 
 
-def _run(engine: str, url: str, prompt: str, n: int) -> dict[str, Any]:
+def _run(engine: str, url: str, prompt: str, n: int, special: list[int]) -> dict[str, Any]:
     if engine.startswith("llama"):
         body = {"prompt": prompt, "n_predict": n, "ignore_eos": True, "temperature": 0.0,
-                "stream": True, "cache_prompt": False}
+                "stream": True, "cache_prompt": False,
+                "logit_bias": [[t, False] for t in special]}
         return _stream(url, body, llama=True)
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": n, "ignore_eos": True,
                             "temperature": 0.0, "stream": True,
