@@ -180,16 +180,23 @@ def main() -> None:
                                                  / s["llama_plain"]["decode_tok_s_median"])
         ratios["rss_vs_llama_plain"] = s["specdec_plain"]["rss_mb"] / s["llama_plain"]["rss_mb"]
     if "specdec_spec" in s:
-        best = max((s[e]["decode_tok_s_median"], e) for e in ("llama_plain", "llama_spec")
-                   if e in s)
-        ratios["spec_decode_vs_llama_best"] = s["specdec_spec"]["decode_tok_s_median"] / best[0]
-        ratios["llama_best"] = best[1]
+        peers = [(s[e]["decode_tok_s_median"], e) for e in ("llama_plain", "llama_spec") if e in s]
+        if peers:
+            best = max(peers)
+            ratios["spec_decode_vs_llama_best"] = (s["specdec_spec"]["decode_tok_s_median"]
+                                                   / best[0])
+            ratios["llama_best"] = best[1]
         if "specdec_plain" in s:
             ratios["spec_vs_own_plain"] = (s["specdec_spec"]["decode_tok_s_median"]
                                            / s["specdec_plain"]["decode_tok_s_median"])
         if "llama_spec" in s:
             ratios["rss_spec_vs_llama_spec"] = (s["specdec_spec"]["rss_mb"]
                                                 / s["llama_spec"]["rss_mb"])
+    if "specdec_plain" in results and "specdec_spec" in results:
+        per = [y["decode_tok_s"] / x["decode_tok_s"]
+               for x, y in zip(results["specdec_plain"], results["specdec_spec"])]
+        ratios["spec_vs_own_plain_per_prompt_min"] = min(per)
+        ratios["spec_vs_own_plain_per_prompt"] = per
     same = None
     if "llama_plain" in results and "specdec_plain" in results:
         same = sum(x["text"] == y["text"] for x, y in zip(results["llama_plain"],
