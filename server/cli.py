@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 import time
 from typing import Any
 
@@ -193,6 +194,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def serve_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The engine thread gives up the GIL in every kernel call and must win it back from the
+    # event loop's thread; a shorter switch interval bounds that wait (default 5 ms).
+    sys.setswitchinterval(0.0005)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(_serve(args))
