@@ -34,6 +34,9 @@ class Drafter(ABC):
     name: ClassVar[str]
     needs_hidden_states: ClassVar[bool] = False
     provides_probs: ClassVar[bool] = False
+    # Tokens the last proposal fed before its first draft (a draft model catching up after
+    # steps without it); the speculation controller does not time such proposals.
+    last_catch_up: int = 1
 
     @abstractmethod
     def propose(self, batch: list[DraftRequest]) -> DraftTree:

@@ -56,9 +56,8 @@ class DraftModelDrafter(Drafter):
                               gpu_memory_utilization=cache.gpu_memory_utilization * 0.25)
         self.runner = ModelRunner(mc, draft_cache)
         if mc.quantization != "none" and DRAFT_VOCAB < mc.vocab_size:
-            tok = target_tokenizer_ids(mc.path)
-            self.runner.model.lm_head = ReducedHead(self.runner.model.lm_head,
-                                                    draft_vocab_ids(tok, DRAFT_VOCAB))
+            self.runner.model.lm_head = ReducedHead(
+                self.runner.model.lm_head, draft_vocab_ids(special_token_ids(mc.path), DRAFT_VOCAB))
         self.blocks = BlockManager(self.runner.num_blocks, draft_cache.block_size, False)
         self.vocab_size = mc.vocab_size
         self.last_catch_up = 0  # tokens fed before the first draft of the last proposal
@@ -163,19 +162,18 @@ DRAFT_QUANTIZATION = "int4"
 DRAFT_VOCAB = 32768
 
 
-def target_tokenizer_ids(path: str | None) -> tuple[int, list[int]]:
-    """(base vocabulary size, ids of added and special tokens) of a model's tokenizer."""
+def special_token_ids(path: str | None) -> list[int]:
+    """Ids of a tokenizer's added and special tokens."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    return len(tok), sorted(set(tok.all_special_ids) | set(tok.added_tokens_decoder))
+    return sorted(set(tok.all_special_ids) | set(tok.added_tokens_decoder))
 
 
-def draft_vocab_ids(tok: tuple[int, list[int]], size: int) -> torch.Tensor:
+def draft_vocab_ids(special: list[int], size: int) -> torch.Tensor:
     """The draft's output vocabulary: the `size` lowest ids (byte-level BPE numbers tokens in
     merge order, so these are the most frequent pieces) and every added or special token (FIM
     markers, end of turn)."""
-    _, special = tok
     return torch.tensor(sorted(set(range(size)) | set(special)), dtype=torch.int64)
 
 

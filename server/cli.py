@@ -18,7 +18,7 @@ log = logging.getLogger("specdec.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdec.cli import HelpFormatter, add_weight_args
+    from specdec.cli_options import HelpFormatter, add_weight_args
 
     p = argparse.ArgumentParser(prog="specdec serve",
                                 description="OpenAI-compatible server with speculative decoding",

@@ -157,21 +157,3 @@ class TorchAttentionBackend:
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
-
-
-def get_attention_backend(name: str, device: torch.device, cpu_kernel: str = "auto"):
-    """'auto' picks Triton on CUDA and the row kernel on the CPU (specdec/cpu_kernels)."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu"
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "cpu":
-        from specdec.cpu_kernels.attention import CpuAttentionBackend
-
-        return CpuAttentionBackend(cpu_kernel)
-    if name == "triton":
-        from verify_kernels.backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}: choose 'cpu', 'torch', 'triton' "
-                     "or 'auto'")

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from specdec.cli_options import HelpFormatter, add_weight_args
+
 
 def _generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="specdec generate",
@@ -75,38 +77,8 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every option's help ends with its default, options without help text too."""
-
-    def add_argument(self, action: argparse.Action) -> None:
-        if not action.help and action.option_strings and action.default not in (
-                None, argparse.SUPPRESS, False):
-            action.help = "(default: %(default)s)"  # argparse prints nothing for no help
-        super().add_argument(action)
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "%(default)" in text or action.default in (None, argparse.SUPPRESS, False):
-            return text
-        if action.option_strings or action.nargs in ("?", "*"):
-            text = (text.strip() + " (default: %(default)s)").strip()
-        return text
-
-
 def _note(text: str) -> None:
     print(f"specdec: {text}", file=sys.stderr, flush=True)
-
-
-def add_weight_args(p: argparse.ArgumentParser) -> None:
-    """--quantization and --cpu-kernel, shared by `generate` and `serve`."""
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int4", "int8"],
-                   help="GGUF weights: 'auto' keeps them quantized as the file holds them (CPU), "
-                        "'int4'/'int8' converts every weight to that kind, 'none' dequantizes "
-                        "to --dtype (the exact float path)")
-    p.add_argument("--cpu-kernel", default="auto",
-                   choices=["auto", "portable", "avx512", "amx"],
-                   help="CPU kernels for quantized weights and attention; 'auto' times them "
-                        "on first use (all give identical results)")
 
 
 def _spec(a: argparse.Namespace) -> dict[str, Any] | None:

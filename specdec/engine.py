@@ -293,7 +293,7 @@ class LLMEngine:
             drafter = self._drafter(*key)
             self.spec_control.record_draft(key[0], max(r.k for r in batch),
                                            time.perf_counter() - t0,
-                                           getattr(drafter, "last_catch_up", 1))
+                                           drafter.last_catch_up)
             # Whole-batch host copies: one conversion each, not one per sequence.
             all_toks, all_pars = tree.host_lists()
             stoch = tree.stochastic.tolist() if tree.draft_probs is not None else None

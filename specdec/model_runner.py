@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.attention import AttentionMetadata, get_attention_backend
+from specdec.attention import AttentionMetadata, TorchAttentionBackend
 from specdec.config import CacheConfig, ModelConfig
 from specdec.models import build_model
 from specdec.sampler import host_to_device
@@ -46,6 +46,24 @@ class StepOutput:
 def kv_bytes_per_block(mc: ModelConfig, block_size: int) -> int:
     elem = torch.tensor([], dtype=mc.torch_dtype).element_size()
     return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * elem
+
+
+def get_attention_backend(name: str, device: torch.device, cpu_kernel: str = "auto"):
+    """'auto' picks Triton on CUDA and the row kernel on the CPU (specdec/cpu_kernels)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "cpu":
+        from specdec.cpu_kernels.attention import CpuAttentionBackend
+
+        return CpuAttentionBackend(TorchAttentionBackend(), cpu_kernel)
+    if name == "triton":
+        from verify_kernels.backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}: choose 'cpu', 'torch', 'triton' "
+                     "or 'auto'")
 
 
 def _kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -176,7 +176,7 @@ def measure_tau(target: str, head_dir: Path, n: int, max_tokens: int) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.cli import HelpFormatter
+    from specdec.cli_options import HelpFormatter
 
     ap = argparse.ArgumentParser(prog="specdec train-drafter", description=__doc__,
                                  formatter_class=HelpFormatter)

@@ -107,11 +107,9 @@ class CpuAttentionBackend:
 
     name = "cpu"
 
-    def __init__(self, path: str = "auto") -> None:
-        from specdec.attention import TorchAttentionBackend
-
+    def __init__(self, reference: object, path: str = "auto") -> None:
         self.path = path
-        self.reference = TorchAttentionBackend()
+        self.reference = reference  # the PyTorch backend, for what the kernel does not take
         self._rows: tuple[AttentionMetadata, RowsView] | None = None
         self._kernel_ok: bool | None = None
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("quant_matmul.c")
-ISAS = ("avx512", "portable")  # builds
+BUILDS = ("avx512", "portable")
 PATHS = {"portable": 0, "avx512": 1, "amx": 2}  # the `path` argument of sd_q*_matmul
 _FLAGS = {
     "avx512": ["-DSD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
@@ -48,10 +48,6 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
-
-
-def supported(isa: str) -> bool:
-    return _NEEDS[isa] <= cpu_flags()
 
 
 def _compiler() -> str:
@@ -80,7 +76,6 @@ def _argtypes(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sd_attention.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, i64, p, p, p, p,
                                  ctypes.c_float, p]
     lib.sd_attention.restype = None
-    lib.sd_isa.restype = ctypes.c_int
     lib.sd_amx_enable.restype = ctypes.c_int
     return lib
 
@@ -88,9 +83,9 @@ def _argtypes(lib: ctypes.CDLL) -> ctypes.CDLL:
 @cache
 def load(isa: str) -> ctypes.CDLL:
     """The compiled build `isa`, compiled now if the cache lacks it."""
-    if isa not in ISAS:
-        raise ValueError(f"cpu kernel must be one of {ISAS} or 'auto', got {isa!r}")
-    if not supported(isa):
+    if isa not in BUILDS:
+        raise ValueError(f"cpu kernel build must be one of {BUILDS}, got {isa!r}")
+    if not _NEEDS[isa] <= cpu_flags():
         raise KernelUnavailable(f"this CPU lacks {sorted(_NEEDS[isa] - cpu_flags())} "
                                 f"for the {isa} kernels")
     cc = _compiler()
@@ -144,18 +139,28 @@ def _bucket(rows: int) -> int:
 
 
 def _time_path(path: str, rows: int) -> float:
-    from specdec.models.quant_linear import QuantWeight, quant_matmul
-
+    """Seconds for `rows` activation rows through 24 random q4 layers of a decode size (2048 x
+    1536; 24 copies overflow the last-level cache). Any bytes are valid q4 values."""
+    lib, code = library(path), PATHS[path]
     gen = torch.Generator().manual_seed(0)
-    n, k = 2048, 1536  # a decode-sized layer; 24 copies overflow the last-level cache
-    ws = [QuantWeight.random("q4", n, k, gen) for _ in range(24)]
-    x = torch.randn(rows, k, generator=gen)
-    quant_matmul(x, ws[0], path=path)
+    n, k = 2048, 1536
+    units = (n // 16) * (k // 32)
+    ws = [(torch.randint(0, 256, (units * 256,), dtype=torch.uint8, generator=gen),
+           (torch.rand(units * 16, generator=gen) * 0.01).half()) for _ in range(24)]
+    xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=gen)
+    xd, xs = torch.rand(rows, k // 32, generator=gen), torch.rand(rows, k // 32, generator=gen)
+    y = torch.empty(rows, n)
+
+    def run(qs: torch.Tensor, d: torch.Tensor) -> None:
+        lib.sd_q4_matmul(xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), rows, k, qs.data_ptr(),
+                         d.data_ptr(), d.data_ptr(), None, n, y.data_ptr(), n, code)
+
+    run(*ws[0])
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
         for w in ws:
-            quant_matmul(x, w, path=path)
+            run(*w)
         best = min(best, time.perf_counter() - t)
     return best
 

@@ -130,7 +130,6 @@ static void block_rows(int kind, const int8_t *xq, const float *xd, const float 
     block_portable(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);
 }
 
-int sd_isa(void) { return 0; }
 int sd_amx_enable(void) { return 0; }
 
 #else /* SD_AVX512 */
@@ -154,8 +153,28 @@ static inline void unit_rows(int kind, const void *unit, __m512i w[8]) {
     }
 }
 
-static inline __m512 bias16(const float *bias, int64_t nb) {
-    return bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
+static inline void prefetch_unit(const uint8_t *unit) {
+    for (int line = 0; line < 4; line++)
+        _mm_prefetch((const char *)unit + PREFETCH + 64 * line, _MM_HINT_T0);
+}
+
+static inline __m512 h16(const uint16_t *p) {  /* 16 fp16 values -> floats */
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* One group's contribution, in block_portable's order: fma(dot, d * xd), then fma(mn, xs). */
+static inline __m512 add_group(__m512 fa, __m512i dot, __m512 d16, __m512 mn16, int has_mn,
+                               float sx, float sxs) {
+    fa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d16, _mm512_set1_ps(sx)), fa);
+    return has_mn ? _mm512_fmadd_ps(mn16, _mm512_set1_ps(sxs), fa) : fa;
+}
+
+/* The 16 outputs of row block nb for MB activation rows, plus the bias. */
+static inline void store_rows(const __m512 *fa, int MB, const float *bias, int64_t nb,
+                              float *y, int64_t ldy) {
+    const __m512 b = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
+    for (int m = 0; m < MB; m++)
+        _mm512_storeu_ps(y + m * ldy + nb * 16, bias ? _mm512_add_ps(fa[m], b) : fa[m]);
 }
 
 /* AVX-512: up to MB_MAX activation rows against one 16-row block. */
@@ -171,19 +190,14 @@ static void block_avx(int kind, const int8_t *xq, const float *xd, const float *
         for (int64_t g = 0; g < G; g++) {
             const int64_t u = nb * G + g;
             const uint8_t *unit = (const uint8_t *)qs + u * ub;
-            _mm_prefetch((const char *)unit + PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)unit + PREFETCH + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)unit + PREFETCH + 128, _MM_HINT_T0);
-            _mm_prefetch((const char *)unit + PREFETCH + 192, _MM_HINT_T0);
+            prefetch_unit(unit);
             __m512i w[8];
             unit_rows(kind, unit, w);
             __m512i corr = _mm512_setzero_si512();  /* q8: 128 * (sum of each row's values) */
             if (kind == 8)
                 for (int r = 0; r < 8; r++) corr = _mm512_dpbusd_epi32(corr, flip, w[r]);
-            const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + u * 16)));
-            const __m512 mn16 = mn ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                         (const __m256i *)(mn + u * 16)))
-                                   : _mm512_setzero_ps();
+            const __m512 d16 = h16(d + u * 16);
+            const __m512 mn16 = mn ? h16(mn + u * 16) : _mm512_setzero_ps();
             for (int m = 0; m < MB; m++) {
                 const int8_t *a = xq + (m0 + m) * K + g * GROUP;
                 __m512i acc = _mm512_setzero_si512();
@@ -196,17 +210,11 @@ static void block_avx(int kind, const int8_t *xq, const float *xd, const float *
                     }
                 }
                 if (kind == 8) acc = _mm512_sub_epi32(acc, corr);
-                const float sx = xd[(m0 + m) * G + g];
-                fa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
-                                        _mm512_mul_ps(d16, _mm512_set1_ps(sx)), fa[m]);
-                if (mn)
-                    fa[m] = _mm512_fmadd_ps(mn16, _mm512_set1_ps(xs[(m0 + m) * G + g]), fa[m]);
+                fa[m] = add_group(fa[m], acc, d16, mn16, mn != NULL, xd[(m0 + m) * G + g],
+                                  xs[(m0 + m) * G + g]);
             }
         }
-        const __m512 b = bias16(bias, nb);
-        for (int m = 0; m < MB; m++)
-            _mm512_storeu_ps(y + (m0 + m) * ldy + nb * 16,
-                             bias ? _mm512_add_ps(fa[m], b) : fa[m]);
+        store_rows(fa, MB, bias, nb, y + m0 * ldy, ldy);
     }
 }
 
@@ -262,10 +270,7 @@ static void block_amx(int kind, const int8_t *xq, const float *xd, const float *
         for (int64_t g = 0; g < G; g++) {
             const int64_t u = nb * G + g;
             const uint8_t *unit = (const uint8_t *)qs + u * ub;
-            _mm_prefetch((const char *)unit + PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)unit + PREFETCH + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)unit + PREFETCH + 128, _MM_HINT_T0);
-            _mm_prefetch((const char *)unit + PREFETCH + 192, _MM_HINT_T0);
+            prefetch_unit(unit);
             _tile_zero(0);
             _tile_loadd(1, xq + m0 * K + g * GROUP, K);
             if (kind == 4) {
@@ -282,23 +287,15 @@ static void block_amx(int kind, const int8_t *xq, const float *xd, const float *
                 _tile_dpbssd(0, 1, 2);
             }
             _tile_stored(0, cbuf, 64);
-            const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + u * 16)));
-            const __m512 mn16 = mn ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                         (const __m256i *)(mn + u * 16)))
-                                   : _mm512_setzero_ps();
+            const __m512 d16 = h16(d + u * 16);
+            const __m512 mn16 = mn ? h16(mn + u * 16) : _mm512_setzero_ps();
             for (int m = 0; m < MB; m++) {
                 const __m512i acc = _mm512_load_si512(cbuf + 16 * m);
-                const float sx = xd[(m0 + m) * G + g];
-                fa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
-                                        _mm512_mul_ps(d16, _mm512_set1_ps(sx)), fa[m]);
-                if (mn)
-                    fa[m] = _mm512_fmadd_ps(mn16, _mm512_set1_ps(xs[(m0 + m) * G + g]), fa[m]);
+                fa[m] = add_group(fa[m], acc, d16, mn16, mn != NULL, xd[(m0 + m) * G + g],
+                                  xs[(m0 + m) * G + g]);
             }
         }
-        const __m512 b = bias16(bias, nb);
-        for (int m = 0; m < MB; m++)
-            _mm512_storeu_ps(y + (m0 + m) * ldy + nb * 16,
-                             bias ? _mm512_add_ps(fa[m], b) : fa[m]);
+        store_rows(fa, MB, bias, nb, y + m0 * ldy, ldy);
     }
 }
 
@@ -310,8 +307,6 @@ static void block_rows(int kind, const int8_t *xq, const float *xd, const float 
     else
         block_avx(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);
 }
-
-int sd_isa(void) { return 512; }
 
 #endif /* SD_AVX512 */
 
