@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from server import protocol
+from server import llama_api, protocol
 from server.async_engine import AsyncEngine, QueueFullError, RequestFailedError, ShuttingDownError
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openapi import openapi_schema
@@ -53,11 +53,14 @@ def to_api_error(exc: Exception) -> APIError:
 
 def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | None = None,
               model_name: str | None = None, metrics: ServerMetrics | None = None,
-              shutdown_grace: float = 0.0) -> Starlette:
+              shutdown_grace: float = 0.0,
+              infill_speculative: dict[str, Any] | None = None) -> Starlette:
     """Build the app around an `LLMEngine` (wrapped here) or an `AsyncEngine`.
 
     The app owns the AsyncEngine's lifetime: lifespan shutdown aborts what is still running
-    after `shutdown_grace` seconds (the CLI drains before that, on SIGTERM)."""
+    after `shutdown_grace` seconds (the CLI drains before that, on SIGTERM).
+    `infill_speculative`: the speculation of /infill requests that choose none (None: the
+    engine's default, as for every request)."""
     if isinstance(engine, AsyncEngine):
         aengine = engine
     else:
@@ -65,7 +68,7 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
     metrics = aengine.metrics
     name = model_name or str(getattr(aengine.engine, "model_name", "specdec"))
     max_len = int(aengine.engine.max_model_len)
-    serving = Serving(aengine, name, max_len)
+    serving = Serving(aengine, name, max_len, infill_speculative)
     started = int(time.time())
 
     def check_auth(request: Request) -> None:
@@ -133,7 +136,9 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
               methods=["POST"]),
         Route("/v1/chat/completions", endpoint("chat", generation(protocol.parse_chat)),
               methods=["POST"]),
-        Route("/infill", endpoint("infill", generation(protocol.parse_infill)),
+        Route("/infill", endpoint("infill", generation(llama_api.parse_infill)),
+              methods=["POST"]),
+        Route("/completion", endpoint("completion", generation(llama_api.parse_completion)),
               methods=["POST"]),
         Route("/v1/models", endpoint("models", models), methods=["GET"]),
         Route("/health", endpoint("health", health, auth=False), methods=["GET"]),

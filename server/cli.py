@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", default=None, choices=["ngram", "draft_model", "none"],
                    help="default drafter (default: the engine's choice)")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--infill-speculative", default="default",
+                   choices=["default", "ngram", "draft_model", "none"],
+                   help="speculation for /infill requests that do not choose one "
+                        "(default: the server's, as for every other request)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -180,8 +184,10 @@ async def _serve(args: argparse.Namespace) -> None:
             progress.fail(f"{type(e).__name__}: {e}")
             return
         engines.append(aengine)
+        infill = None if args.infill_speculative == "default" else {
+            "method": args.infill_speculative}
         loading.ready(build_app(aengine, api_key=args.api_key,
-                                model_name=args.served_model_name))
+                                model_name=args.served_model_name, infill_speculative=infill))
         log.info("ready after %.1f s: serving %s on http://%s:%d", time.monotonic() - t0,
                  args.model, args.host, args.port)
 

@@ -55,7 +55,7 @@ class GenerationRequest:
     """A validated request, endpoint-neutral. The prompt is not yet tokenized: `kind` says how
     `prompt`, `suffix`, `messages` or the infill fields become token ids."""
 
-    kind: str  # "completion" | "chat" | "infill"
+    kind: str  # "completion" | "chat" | "infill" | "llama_completion" (llama.cpp's /completion)
     model: str | None
     params: SamplingParams
     max_tokens_given: bool  # False: the server may fill the rest of the context
@@ -70,6 +70,7 @@ class GenerationRequest:
     input_prefix: str = ""
     input_suffix: str = ""
     chat_logprobs: bool = False  # chat's boolean `logprobs`
+    llama: Any = None  # server.llama_api.LlamaFields for llama.cpp's endpoints
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -273,31 +274,3 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
     return out
-
-
-def parse_infill(body: dict[str, Any]) -> GenerationRequest:
-    """llama.cpp's /infill: input_prefix, input_suffix, input_extra, prompt, n_predict..."""
-    extra = body.get("input_extra") or []
-    if not isinstance(extra, list):
-        raise invalid("input_extra", "'input_extra' must be a list of {filename, text}")
-    chunks = []
-    for i, c in enumerate(extra):
-        if not isinstance(c, dict) or not isinstance(c.get("text", ""), str) \
-                or not isinstance(c.get("filename", ""), str):
-            raise invalid(f"input_extra[{i}]", "each 'input_extra' item must be "
-                          "{\"filename\": str, \"text\": str}")
-        chunks.append({"filename": c.get("filename") or "tmp", "text": c.get("text", "")})
-    n_predict = _num(body, "n_predict", -1, -1, None, integer=True)
-    if n_predict == 0:
-        raise invalid("n_predict", "'n_predict' must be -1 (until the context is full) or >= 1")
-    given = n_predict > 0
-    prompt = _str(body, "prompt", "")
-    # llama.cpp spells the top-n logprobs field n_probs.
-    logprobs = _num(body, "n_probs", 0, 0, 20, integer=True) or None
-    return GenerationRequest(
-        kind="infill", model=_str(body, "model"),
-        params=_sampling(body, n_predict if given else UNSET_MAX_TOKENS, logprobs),
-        max_tokens_given=given,
-        stream=_bool(body, "stream"), prompt=prompt or "",
-        input_prefix=_str(body, "input_prefix", "") or "",
-        input_suffix=_str(body, "input_suffix", "") or "", input_extra=chunks)

@@ -172,34 +172,3 @@ class Formatter:
         chunk["choices"] = []
         chunk["usage"] = usage(n_prompt, choices)
         return sse(chunk)
-
-
-def infill_body(model: str, c: Choice, n_prompt: int, params: Any, final: bool = True,
-                content: str | None = None) -> dict[str, Any]:
-    """llama.cpp's /infill (and /completion) response object."""
-    if not final:
-        return {"content": content or "", "stop": False, "id_slot": 0, "index": 0}
-    out = c.last
-    reason = c.finish_reason
-    arrival = getattr(out, "arrival_time", None)
-    first = getattr(out, "first_token_time", None)
-    now = time.monotonic()
-    prompt_ms = (first - arrival) * 1e3 if first is not None and arrival is not None else 0.0
-    predicted_ms = (now - first) * 1e3 if first is not None else 0.0
-    n = c.n_tokens
-    return {
-        "content": c.text if content is None else content, "stop": True, "id_slot": 0,
-        "index": 0, "model": model, "tokens_predicted": n, "tokens_evaluated": n_prompt,
-        "tokens_cached": getattr(out, "num_cached_tokens", 0) or 0, "truncated": False,
-        "has_new_line": "\n" in c.text, "stopped_eos": reason == "stop",
-        "stopped_word": False, "stopped_limit": reason == "length", "stopping_word": "",
-        "generation_settings": {"n_predict": params.max_tokens, "temperature": params.temperature,
-                                "top_k": params.top_k, "top_p": params.top_p,
-                                "min_p": params.min_p, "seed": params.seed,
-                                "speculative": params.speculative},
-        "timings": {"prompt_n": n_prompt, "prompt_ms": prompt_ms, "predicted_n": n,
-                    "predicted_ms": predicted_ms,
-                    "predicted_per_token_ms": predicted_ms / n if n else 0.0,
-                    "predicted_per_second": n / predicted_ms * 1e3 if predicted_ms else 0.0},
-        "speculative": speculative_usage([getattr(out, "spec", None)] if out else []),
-    }

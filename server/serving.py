@@ -1,5 +1,6 @@
-"""The generation flow shared by /v1/completions, /v1/chat/completions and /infill: tokenize,
-fit the context, submit n engine requests, then stream chunks or collect one response."""
+"""The generation flow shared by /v1/completions, /v1/chat/completions and llama.cpp's
+/completion and /infill: tokenize, fit the context, submit n engine requests, then stream chunks
+or collect one response."""
 
 from __future__ import annotations
 
@@ -13,23 +14,29 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from server import llama_api
 from server.async_engine import AsyncEngine, RequestFailedError, RequestStream
-from server.prompts import PromptBuilder
+from server.prompts import Prompt, PromptBuilder
 from server.protocol import APIError, GenerationRequest
-from server.responses import DONE, Choice, Formatter, infill_body, sse
+from server.responses import DONE, Choice, Formatter, sse
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-", "infill": "infill-"}
+_ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-", "infill": "infill-",
+              "llama_completion": "cmpl-"}
+LLAMA_KINDS = ("infill", "llama_completion")
 
 
 class Serving:
     """Holds what every generation request needs: the engine, the prompt builder and the
     served model name."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: int,
+                 infill_speculative: dict[str, Any] | None = None) -> None:
         self.engine = engine
+        self.infill_speculative = infill_speculative
         self.model_name = model_name
-        self.builder = PromptBuilder(engine.engine.tokenizer, max_model_len)
+        self.builder = PromptBuilder(engine.engine.tokenizer, max_model_len,
+                                     tuple(getattr(engine.engine, "eos_token_ids", ())))
         # One thread: tokenizing a long prompt must not stall the event loop, and the builder's
         # tokenizer copy must not be used by two threads at once.
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
@@ -42,30 +49,53 @@ class Serving:
     async def handle(self, req: GenerationRequest, request: Request) -> Response:
         self.check_model(req.model)
         loop = asyncio.get_running_loop()
-        ids, prompt_text = await loop.run_in_executor(self._tokenize, self.builder.build, req)
-        params = self.builder.fit(req, len(ids))
+        prompt = await loop.run_in_executor(self._tokenize, self.builder.build, req)
+        params = self.builder.fit(req, prompt)
+        if req.kind == "infill" and params.speculative is None and self.infill_speculative:
+            params = dataclasses.replace(params, speculative=dict(self.infill_speculative))
         rid = _ID_PREFIX[req.kind] + uuid.uuid4().hex
-        streams = await self._submit(rid, ids, params, req.n)
+        streams = await self._submit(rid, prompt.ids, params, req.n)
         fmt = Formatter(req.kind, self.model_name, self.builder, rid)
-        n_prompt = len(ids)
+        n_prompt = len(prompt.ids)
         if req.stream:
             if req.kind == "chat":
                 body = _stream_chat(fmt, req, streams, n_prompt)
-            elif req.kind == "infill":
-                body = _stream_infill(fmt, streams, n_prompt, params)
+            elif req.kind in LLAMA_KINDS:
+                body = self._stream_llama(req, streams, prompt, params)
             else:
-                body = _stream_completion(fmt, req, streams, n_prompt, prompt_text)
+                body = _stream_completion(fmt, req, streams, n_prompt, prompt.text)
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         choices = await _collect(streams, request)
         if choices is None:  # the client left; nobody reads this
             return Response(status_code=499)
         if req.kind == "chat":
             return JSONResponse(fmt.chat(choices, n_prompt, req.chat_logprobs))
-        if req.kind == "infill":
-            return JSONResponse(infill_body(self.model_name, choices[0], n_prompt, params))
-        prefix = prompt_text if req.echo else ""
+        if req.kind in LLAMA_KINDS:
+            return JSONResponse(self._llama_final(choices[0], req, prompt, params, False))
+        prefix = prompt.text if req.echo else ""
         return JSONResponse(fmt.completion(choices, n_prompt, prefix,
                                            req.params.logprobs is not None))
+
+    def _llama_final(self, choice: Choice, req: GenerationRequest, prompt: Prompt,
+                     params: Any, stream: bool) -> dict[str, Any]:
+        return llama_api.final_body(choice, len(prompt.ids), prompt.text, params, req.llama,
+                                    self.model_name, self.builder.max_model_len, stream,
+                                    prompt.truncated, self.builder)
+
+    async def _stream_llama(self, req: GenerationRequest, streams: list[RequestStream],
+                            prompt: Prompt, params: Any) -> AsyncIterator[bytes]:
+        """llama.cpp streams an object per step with `content` and `stop: false`, then the
+        whole response with empty `content` and `stop: true`; no [DONE]."""
+        choice = Choice(0)
+        try:
+            async for _, out in _merge(streams):
+                choice.add(out)
+                if out.delta_text or out.delta_token_ids:
+                    yield sse(llama_api.partial_body(out, len(prompt.ids), req.llama,
+                                                     self.builder))
+            yield sse(self._llama_final(choice, req, prompt, params, True))
+        except RequestFailedError as exc:
+            yield _error_event(exc)
 
     async def _submit(self, rid: str, ids: list[int], params: Any, n: int) -> list[RequestStream]:
         streams: list[RequestStream] = []
@@ -201,18 +231,3 @@ async def _stream_chat(fmt: Formatter, req: GenerationRequest, streams: list[Req
     except RequestFailedError as exc:
         yield _error_event(exc)
     yield DONE
-
-
-async def _stream_infill(fmt: Formatter, streams: list[RequestStream], n_prompt: int,
-                         params: Any) -> AsyncIterator[bytes]:
-    """llama.cpp streams objects with `content` and a final one with `stop: true`; no [DONE]."""
-    choice = Choice(0)
-    try:
-        async for _, out in _merge(streams):
-            choice.add(out)
-            if out.delta_text:
-                yield sse(infill_body(fmt.model, choice, n_prompt, params, final=False,
-                                      content=out.delta_text))
-        yield sse(infill_body(fmt.model, choice, n_prompt, params, content=""))
-    except RequestFailedError as exc:
-        yield _error_event(exc)

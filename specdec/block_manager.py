@@ -83,7 +83,7 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed == 0
         tokens = seq.tokens
         self._seq_hashes[seq.request_id] = []
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.params.cache_prompt:
             return 0
         max_blocks = (len(tokens) - 1) // self.block_size
         hashes = self._hash_chain(tokens, max_blocks, [])

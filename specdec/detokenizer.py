@@ -4,19 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from specdec.stop_rules import TextRules
+
 
 class IncrementalDetokenizer:
     """Decodes a growing token list, emitting text only once it is stable.
 
     A byte-level BPE token may end inside a UTF-8 character; its decoded text then ends with
     U+FFFD. Such a tail is held back until the following tokens complete the character. So is a
-    tail that could be the start of a stop string, and a found stop string ends the text."""
+    tail that could be the start of a stop string or of a text rule's cut (specdec/stop_rules.py),
+    and a found stop ends the text."""
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True,
-                 stops: tuple[str, ...] = ()) -> None:
+                 stops: tuple[str, ...] = (), rules: TextRules | None = None) -> None:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.stops = stops
+        self.rules = rules
         self.ids: list[int] = []
         self.text = ""  # text sent so far
         self.full = ""  # stable text decoded so far (may run ahead of `text`)
@@ -43,15 +47,23 @@ class IncrementalDetokenizer:
             return full[len(self._prefix_text):]
         return self._decode(ids)
 
-    def find_stop(self, ids: list[int], stops: tuple[str, ...]) -> int | None:
-        """Offset of the first stop string in the text of `ids`, searching only new text."""
+    def find_stop(self, ids: list[int], final: bool) -> tuple[int, str, str | None] | None:
+        """The first stop string or text rule's cut in the text of `ids`: (offset, finish
+        reason, the text stopped on). Stop strings are searched only in new text."""
         text = self.decode_output(ids)
-        start = max(0, len(self.text) - max(len(s) for s in stops))
-        found = [at for s in stops if (at := text.find(s, start)) >= 0]
-        if found:
-            self.stop_at = min(found)
-            return self.stop_at
-        return None
+        found: list[tuple[int, str, str | None]] = []
+        if self.stops:
+            start = max(0, len(self.text) - max(len(s) for s in self.stops))
+            found = [(at, "stop", s) for s in self.stops if (at := text.find(s, start)) >= 0]
+        if self.rules is not None:
+            cut = self.rules.find(text, final)
+            if cut is not None:
+                found.append(cut)
+        if not found:
+            return None
+        first = min(found, key=lambda c: c[0])
+        self.stop_at = first[0]
+        return first
 
     def _advance(self) -> None:
         """Extend `full` by the stable text of tokens since the read offset."""
@@ -78,7 +90,10 @@ class IncrementalDetokenizer:
             full = full[:self.stop_at]
         elif not final:
             full = full.rstrip("\ufffd")
-            full = full[:len(full) - self._stop_prefix_len(full)]
+            held = self._stop_prefix_len(full)
+            if self.rules is not None:
+                held = max(held, self.rules.holdback(full))
+            full = full[:len(full) - held]
         if not full.startswith(self.text):
             return ""  # never take back text already sent
         delta = full[len(self.text):]

@@ -25,7 +25,7 @@ from specdec.detokenizer import IncrementalDetokenizer
 from specdec.model_runner import ModelRunner, Segment
 from specdec.outputs import RequestOutput, SpecMetrics
 from specdec.overlap import DecodePipeline
-from specdec.sampler import row_contexts
+from specdec.sampler import TokenPieces, row_contexts
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler, StepPlan
 from specdec.sequence import Sequence
@@ -38,6 +38,7 @@ from specdec.step_results import (
     launch_verification,
     report,
 )
+from specdec.stop_rules import TextRules
 from specdec.target_features import capture_layers, observe_prefills
 
 
@@ -68,6 +69,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.spec_totals: dict[str, SpecMetrics] = {}
         self._eos = set(mc.eos_token_ids)
+        self.token_pieces = TokenPieces(self.tokenizer, sorted(self._eos))  # infill sampler
         self.adaptive_default = adaptive_speculation
         self.spec_control = SpeculationController()
         self._depth: dict[str, int] = {}  # this step's chosen draft depth per request
@@ -120,6 +122,10 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(self._eos))
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -146,7 +152,7 @@ class LLMEngine:
         seq.spec_method, seq.spec_k, seq.spec_options = spec
         self.seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, ids, params.skip_special_tokens, params.stop)
+            self.tokenizer, ids, params.skip_special_tokens, params.stop, TextRules.of(params))
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._gens[request_id] = torch.Generator().manual_seed(seed)
         if seq.spec_method != "none":
@@ -382,7 +388,7 @@ class LLMEngine:
             delta_text=delta, finished=finished, finish_reason=seq.finish_reason,
             logprobs=logprobs, spec=self._spec.get(seq.request_id),
             num_cached_tokens=seq.num_cached_prompt_tokens, arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time)
+            first_token_time=seq.first_token_time, stop_reason=seq.stop_reason)
         if finished:
             self.seqs.pop(seq.request_id, None)
             self._detok.pop(seq.request_id, None)

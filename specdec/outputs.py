@@ -69,3 +69,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    stop_reason: str | int | None = None  # see Sequence.stop_reason

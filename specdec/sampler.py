@@ -1,8 +1,10 @@
 """Logits processing shared by plain decoding, verification and draft models.
 
 `process_logits` turns raw logits into the distribution a request samples from: penalties,
-temperature, then top-k, top-p and min-p filtering. Greedy rows (temperature 0) come back as a
-one-hot of their (penalised) argmax, so acceptance needs no separate greedy path.
+temperature, then top-k, top-p and min-p filtering (or, for `temperature_last` rows, the filters
+on the untempered distribution and the temperature over what they keep). Greedy rows
+(temperature 0) come back as a one-hot of their (penalised) argmax, so acceptance needs no
+separate greedy path.
 """
 
 from __future__ import annotations
@@ -121,10 +123,70 @@ def greedy_tokens(
     return argmax_rows(logits)
 
 
+class TokenPieces:
+    """Each token's text as bytes, decoded on first use (for the infill sampler), and the
+    model's end-of-sequence ids."""
+
+    def __init__(self, tokenizer: Any, eos_ids: Sequence[int]) -> None:
+        self.tok = tokenizer
+        self.eos = frozenset(eos_ids)
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        b = self._cache.get(token_id)
+        if b is None:
+            b = self._cache[token_id] = self.tok.decode([token_id]).encode()
+        return b
+
+
+def infill_filter(p: torch.Tensor, eog: frozenset[int], pieces: TokenPieces) -> torch.Tensor:
+    """llama.cpp's `infill` sampler on one row's probabilities [V] (zero: filtered out):
+    - if the end tokens hold enough mass (3 * p_end * n_candidates > p_text), only they stay;
+    - else a candidate whose text begins another's takes the other's mass, or gives it up,
+      whichever of the two is less likely (candidates visited most likely first);
+    - text candidates under 0.2 go (no text left: the first end token alone), then, after
+      renormalising, those under 1 / (n_text + 1)."""
+    cand = torch.nonzero(p > 0).flatten()
+    if len(cand) > 256:  # the rest hold too little mass to survive the 0.2 floor
+        cand = cand[p[cand].topk(256).indices]
+    order = cand[p[cand].argsort(descending=True)].tolist()
+    probs = dict(zip(order, p[order].tolist()))
+    is_end = {t: t in eog for t in order}
+    p_end = sum(v for t, v in probs.items() if is_end[t])
+    out = torch.zeros_like(p)
+    if 3 * p_end * len(order) > sum(probs.values()) - p_end:
+        ends = [t for t in order if is_end[t]]
+        out[ends] = torch.tensor([probs[t] for t in ends]) / p_end
+        return out
+    alive = dict.fromkeys(order, True)
+    for a in order:
+        for b in order:
+            if not alive[a]:
+                break
+            if a == b or not alive[b]:
+                continue
+            pa, pb = pieces(a), pieces(b)
+            if pa and len(pa) <= len(pb) and pb.startswith(pa):
+                dst, src = (b, a) if probs[b] > probs[a] else (a, b)
+                probs[dst] += probs[src]
+                probs[src], alive[src] = 0.0, False
+    kept = [t for t in order if alive[t] and (is_end[t] or probs[t] >= 0.2)]
+    n_text = sum(1 for t in kept if not is_end[t])
+    if n_text == 0:
+        out[min(eog)] = 1.0
+        return out
+    total = sum(probs[t] for t in kept)
+    kept = [t for t in kept if is_end[t] or probs[t] / total >= 1.0 / (n_text + 1)]
+    total = sum(probs[t] for t in kept)
+    out[kept] = torch.tensor([probs[t] / total for t in kept], dtype=p.dtype)
+    return out
+
+
 def process_logits(
     logits: torch.Tensor,  # [R, V] float32 raw
     params: Sequence[SamplingParams],
     contexts: Sequence[RowContext] | None = None,
+    pieces: TokenPieces | None = None,  # for `infill` rows; None: the sampler is skipped
 ) -> torch.Tensor:  # [R, V] float32 probabilities
     logits = logits.float()  # never modified in place unless it is a penalised copy
     if contexts is not None and any(p.has_penalties for p in params):
@@ -133,9 +195,10 @@ def process_logits(
     dev = logits.device
     if all(p.greedy for p in params):  # the common case: no softmax or sort
         return torch.zeros_like(logits).scatter_(1, argmax_rows(logits)[:, None], 1.0)
-    temps = host_to_device([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                           torch.float32, dev)
-    logits = logits / temps[:, None]
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    late = [p.temperature_last for p in params]
+    logits = logits / host_to_device([1.0 if last else t for t, last in zip(temps, late)],
+                                     torch.float32, dev)[:, None]
     needs_topk = any(0 < p.top_k < logits.shape[1] for p in params)
     needs_topp = any(p.top_p < 1.0 for p in params)
     if needs_topk or needs_topp:
@@ -146,6 +209,19 @@ def process_logits(
         cutoff = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         probs = torch.where(probs < cutoff, torch.zeros_like(probs), probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    if any(t != 1.0 and last for t, last in zip(temps, late)):
+        # p ** (1 / T), renormalised, is the softmax of logits / T over the kept tokens.
+        inv = host_to_device([1.0 / t if last else 1.0 for t, last in zip(temps, late)],
+                             torch.float32, dev)
+        probs = probs.pow(inv[:, None])
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if pieces is not None and any(p.infill and not p.greedy for p in params):
+        rows = [i for i, p in enumerate(params) if p.infill and not p.greedy]
+        host = probs[rows].cpu()
+        done = [infill_filter(host[j], pieces.eos | frozenset(params[i].stop_token_ids),
+                              pieces) for j, i in enumerate(rows)]
+        probs = probs.clone()
+        probs[rows] = torch.stack(done).to(probs.device)
     if any(p.greedy for p in params):  # decided on the host: no device synchronisation
         greedy = host_to_device([p.greedy for p in params], torch.bool, dev)
         onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)

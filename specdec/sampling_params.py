@@ -19,6 +19,11 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0: off
     top_p: float = 1.0
     min_p: float = 0.0
+    # Temperature after top-k, top-p and min-p (llama.cpp's default order) instead of before.
+    temperature_last: bool = False
+    # llama.cpp's `infill` sampler after the filters (specdec/sampler.py, `infill_filter`); its
+    # end-of-generation tokens are stop_token_ids and the model's EOS.
+    infill: bool = False
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -30,6 +35,15 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # top-n logprobs per output token; None: off
     skip_special_tokens: bool = True
+    # Code completion (specdec/stop_rules.py): llama.cpp's n_indent and t_max_predict_ms, and
+    # FIM's stop where the output repeats the start of the suffix.
+    n_indent: int = 0  # 0: off
+    max_predict_ms: float | None = None  # from the first output token; None: no budget
+    fim_suffix: str | None = None
+    fim_line_start: bool = False  # the cursor (the output's start) is at a line start
+    # False: the prompt is computed in full, not read from the prefix cache (llama.cpp's
+    # cache_prompt; outputs are the same either way, only the time differs).
+    cache_prompt: bool = True
     speculative: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +65,9 @@ class SamplingParams:
                     "must be in [0, max_tokens]")
         self._check("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
                     "must be in [0, 20]")
+        self._check("n_indent", self.n_indent >= 0, "must be >= 0")
+        self._check("max_predict_ms", self.max_predict_ms is None or self.max_predict_ms > 0,
+                    "must be > 0")
         self._check("stop", all(isinstance(s, str) and s for s in self.stop),
                     "must be non-empty strings")
         if self.speculative is not None and not isinstance(self.speculative, dict):

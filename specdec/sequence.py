@@ -29,6 +29,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
     finish_reason: str | None = None
+    # What a "stop" finish stopped on: the stop string, the text a rule stopped on
+    # (specdec/stop_rules.py) or the stop token id; None for EOS. "budget" or "n_indent" for a
+    # "length" finish by those rules.
+    stop_reason: str | int | None = None
     aborted: bool = False
     first_token_time: float | None = None
     # Speculation chosen for this request: drafter method and settings (resolved by the engine).

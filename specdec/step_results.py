@@ -29,6 +29,7 @@ from specdec.sampler import (
 )
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
+from specdec.stop_rules import past_budget
 from specdec.target_features import capture_layers, features_for, wants_features
 from specdec.verifier import verify_greedy_lists, verify_tree
 
@@ -186,7 +187,7 @@ def settle_tokens(engine: LLMEngine, seq: Sequence, new: list[int], logprobs: li
                   now: float) -> Settled:
     """Append a sequence's new tokens (whose KV is committed), up to its first stop condition;
     finish it if one was met."""
-    kept, reason = finish_check(engine, seq, new)
+    kept, reason = finish_check(engine, seq, new, now)
     if logprobs is not None:
         logprobs = logprobs[:len(kept)]
     seq.output_token_ids += kept
@@ -215,7 +216,7 @@ def accept_on_device(
     """The tree verifier's result (see specdec/verifier.py) for a step's rows, left on the
     device: nothing here waits for the device."""
     dev = logits.device
-    probs = process_logits(logits, rows_params, rows_ctx)
+    probs = process_logits(logits, rows_params, rows_ctx, engine.token_pieces)
     # Uniforms per sequence from its own generator: one per node, then one for the bonus.
     sizes = tree.sizes()
     us = [torch.zeros(n + 1) if seq.params.greedy
@@ -244,24 +245,40 @@ def _record(engine: LLMEngine, seq: Sequence, drafted: int, accepted: int, emitt
     tot.record(drafted, accepted, emitted, depth)
 
 
-def finish_check(engine: Any, seq: Sequence, new: list[int]) -> tuple[list[int], str | None]:
-    """Cut `new` at the first stop condition. Returns (tokens to keep, finish reason)."""
+def finish_check(engine: Any, seq: Sequence, new: list[int],
+                 now: float | None = None) -> tuple[list[int], str | None]:
+    """Cut `new` at the first stop condition. Returns (tokens to keep, finish reason); sets
+    `seq.stop_reason`."""
     p = seq.params
     kept: list[int] = []
+    reason = None
     for t in new:
         kept.append(t)
         n_out = len(seq.output_token_ids) + len(kept)
         if n_out >= p.min_tokens:
-            if t in p.stop_token_ids or (not p.ignore_eos and t in engine._eos):
-                return kept, "stop"
+            if t in p.stop_token_ids:
+                reason, seq.stop_reason = "stop", t
+                break
+            if not p.ignore_eos and t in engine._eos:
+                reason = "stop"
+                break
         if n_out >= p.max_tokens:
-            return kept, "length"
-    if p.stop:
-        detok = engine._detok[seq.request_id]
-        at = detok.find_stop(seq.output_token_ids + kept, p.stop)
-        if at is not None:
-            return _cut_at_stop(detok, seq, kept, at), "stop"
-    return kept, None
+            reason = "length"
+            break
+    detok = engine._detok[seq.request_id]
+    if p.max_predict_ms is not None and now is not None and seq.first_token_time is not None \
+            and (now - seq.first_token_time) * 1e3 >= p.max_predict_ms:
+        had_newline = "\n" in detok.decode_output(seq.output_token_ids)
+        keep = past_budget([detok.decode_output([t]) for t in kept], had_newline, True)
+        if keep is not None and (reason is None or keep < len(kept)):
+            kept, reason, seq.stop_reason = kept[:keep], "length", "budget"
+    if p.stop or detok.rules is not None:
+        found = detok.find_stop(seq.output_token_ids + kept, final=reason is not None)
+        if found is not None:
+            at, why, word = found
+            seq.stop_reason = word if why == "stop" else "n_indent"
+            return _cut_at_stop(detok, seq, kept, at), why
+    return kept, reason
 
 
 def _cut_at_stop(detok: Any, seq: Sequence, kept: list[int], at: int) -> list[int]:

@@ -143,6 +143,10 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [min(ord(c), 255) for c in text]
 
+    def __call__(self, text: str, add_special_tokens: bool = False,
+                 split_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text)}
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(self.names.get(i, "") if i >= 256 else chr(i) for i in ids)
 
@@ -180,6 +184,7 @@ class FakeOutput:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    stop_reason: Any = None
 
 
 class FakeEngine:
@@ -267,6 +272,7 @@ class FakeEngine:
             if hit is not None:
                 s["text"] = s["text"][:s["text"].index(hit)]
                 reason = "stop"
+                s["stop_reason"] = hit
             elif len(s["out"]) >= p.max_tokens:
                 reason = "length"
             outs.append(self._finish(rid, new, reason))
@@ -280,7 +286,7 @@ class FakeEngine:
         s["sent"] = s["text"]
         out = FakeOutput(rid, s["prompt"], list(s["out"]), s["text"], new,
                          s["text"][len(prev):], reason is not None, reason, lp, s["spec"], 0,
-                         s["arrival"], s["first"])
+                         s["arrival"], s["first"], s.get("stop_reason"))
         if reason is not None:
             self.order.remove(rid)
             del self.seqs[rid]

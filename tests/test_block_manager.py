@@ -41,6 +41,10 @@ def test_prefix_cache_hit_and_lru_eviction():
     # The whole prompt cached still leaves its last token to compute.
     c = seq("c", list(range(8)))
     assert bm.allocate_prefix(c) == 4
+    # A request that opts out (llama.cpp's cache_prompt: false) computes its whole prompt.
+    e = Sequence("e", list(range(9)), SamplingParams(max_tokens=4, cache_prompt=False))
+    assert bm.allocate_prefix(e) == 0 and e.num_cached_prompt_tokens == 0
+    bm.free_seq(e)
     bm.free_seq(b)
     bm.free_seq(c)
     # Fill the pool: cached blocks are evicted, least recently used first.

@@ -144,16 +144,31 @@ def test_disconnect_aborts_and_frees_blocks(server: ServerProcess) -> None:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
+    m = wait_aborted(server, before)
+    assert metric_sum(m, "specdec_num_requests_running") == 0
+
+
+def wait_aborted(server: ServerProcess, aborted_before: float) -> dict:
+    """Wait for one more aborted request and no KV block in use; return the metrics."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = metrics(server)
         aborted = metric_sum(m, "specdec_requests_finished_total", reason="abort")
-        if aborted > before and metric_sum(m, "specdec_kv_blocks_used") == 0:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"request not aborted or blocks not freed: {m}")
-    assert metric_sum(m, "specdec_num_requests_running") == 0
+        if aborted > aborted_before and metric_sum(m, "specdec_kv_blocks_used") == 0:
+            return m
+        time.sleep(0.1)
+    pytest.fail(f"request not aborted or blocks not freed: {m}")
+
+
+def test_superseded_infill_aborts_and_frees_blocks(server: ServerProcess) -> None:
+    """An editor drops a non-streamed /infill when the next keystroke supersedes it: the request
+    is aborted at the next engine step and its KV blocks are freed."""
+    before = metric_sum(metrics(server), "specdec_requests_finished_total", reason="abort")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/infill", timeout=0.3, json={
+            "input_prefix": PROMPT, "input_suffix": "\n", "n_predict": 440, "ignore_eos": True,
+            "temperature": 0, "speculative": {"method": "none"}})
+    wait_aborted(server, before)
 
 
 def test_metrics_count_requests(server: ServerProcess, client: openai.OpenAI) -> None:
