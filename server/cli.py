@@ -31,10 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", default=None, choices=["ngram", "draft_model", "none"],
                    help="default drafter (default: the engine's choice)")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
-    p.add_argument("--infill-speculative", default="default",
+    p.add_argument("--infill-speculative", default="ngram",
                    choices=["default", "ngram", "draft_model", "none"],
-                   help="speculation for /infill requests that do not choose one "
-                        "(default: the server's, as for every other request)")
+                   help="speculation for /infill requests that do not choose one; 'default': "
+                        "the server's, as for every other request (n-gram lookup over the "
+                        "prompt won on bench/fim_eval.py)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")

@@ -72,15 +72,37 @@ CHAT = {"type": "object", "required": ["messages"], "properties": {
     "top_logprobs": _num("Needs logprobs: true", 0, 20, integer=True),
     **SAMPLING}}
 
+LLAMA_COMMON = {
+    "n_predict": _num("-1: until the context is full; 0: one token", -1, integer=True),
+    "n_indent": _num("Stop at a later line indented less than this", 0, integer=True),
+    "t_max_predict_ms": _num("Once spent (from the first token), stop after the next token "
+                             "that follows a newline", None),
+    "t_max_prompt_ms": _num("Accepted, not acted on (as llama.cpp)", None),
+    "samplers": {"description": "llama.cpp sampler names or letters; applied: penalties, "
+                 "temperature, top_k, top_p, min_p, infill",
+                 "oneOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}]},
+    "cache_prompt": {"type": "boolean", "description": "false: compute the whole prompt"},
+    "n_probs": _num("Top-n log-probabilities (completion_probabilities)", 0, 20, integer=True),
+    "response_fields": {"type": "array", "items": {"type": "string"},
+                        "description": "Paths such as 'timings/prompt_n': the response holds "
+                        "only these, keyed by path"},
+    "return_tokens": {"type": "boolean"},
+    "repeat_penalty": _num("Alias of repetition_penalty", 0, 10),
+    **{k: v for k, v in SAMPLING.items() if k not in ("n", "stream_options")}}
+
 INFILL = {"type": "object", "description": "llama.cpp's /infill request", "properties": {
     "input_prefix": {"type": "string"}, "input_suffix": {"type": "string"},
-    "input_extra": {"type": "array", "items": {"type": "object", "properties": {
-        "filename": {"type": "string"}, "text": {"type": "string"}}}},
-    "prompt": {"type": "string", "description": "Text placed after the FIM middle token"},
-    "n_predict": _num("-1: until the context is full", -1, integer=True),
-    "n_probs": _num("Top-n log-probabilities", 0, 20, integer=True),
-    "repeat_penalty": _num("Alias of repetition_penalty", 0, 10),
-    **{k: v for k, v in SAMPLING.items() if k not in ("n", "stream_options")}}}
+    "input_extra": {"type": "array", "items": {"type": "object", "required": ["text"],
+                                               "properties": {"filename": {"type": "string"},
+                                                              "text": {"type": "string"}}}},
+    "prompt": {"type": "string", "description": "The cursor line's start, after the prefix"},
+    **LLAMA_COMMON}}
+
+LLAMA_COMPLETION = {"type": "object", "description": "llama.cpp's /completion request",
+                    "required": ["prompt"], "properties": {
+                        "prompt": {"oneOf": [{"type": "string"}, {
+                            "type": "array", "items": {"type": "integer"}}]},
+                        **LLAMA_COMMON}}
 
 ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
     "message": {"type": "string"}, "type": {"type": "string"},
@@ -136,8 +158,10 @@ def openapi_schema(model_name: str) -> dict[str, Any]:
                                      "text_completion object or chunks"),
             "/v1/chat/completions": _post("Chat completion", "ChatCompletion",
                                           "chat.completion object or chunks"),
-            "/infill": _post("llama.cpp-style code infill", "Infill",
-                             "{content, stop, tokens_predicted, ...}"),
+            "/infill": _post("llama.cpp's code infill", "Infill",
+                             "llama.cpp's {content, stop, timings, ...}"),
+            "/completion": _post("llama.cpp's completion", "LlamaCompletion",
+                                 "llama.cpp's {content, stop, timings, ...}"),
             "/v1/models": _get("The served model", auth=True),
             "/health": _get("200 while serving, 503 while draining"),
             "/metrics": _get("Prometheus metrics", "text/plain"),
@@ -145,6 +169,7 @@ def openapi_schema(model_name: str) -> dict[str, Any]:
         },
         "components": {
             "schemas": {"Completion": COMPLETION, "ChatCompletion": CHAT, "Infill": INFILL,
+                        "LlamaCompletion": LLAMA_COMPLETION,
                         "Error": ERROR, "Usage": USAGE},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },

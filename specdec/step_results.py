@@ -282,8 +282,16 @@ def finish_check(engine: Any, seq: Sequence, new: list[int],
 
 
 def _cut_at_stop(detok: Any, seq: Sequence, kept: list[int], at: int) -> list[int]:
-    """Keep the fewest new tokens whose text reaches the stop string (which is not output)."""
-    for i in range(len(kept) + 1):
-        if len(detok.decode_output(seq.output_token_ids + kept[:i])) > at:
-            return kept[:i]
-    return kept
+    """Keep the fewest tokens whose text reaches the stop offset `at` (the text from there is
+    not output). The stop may begin in tokens an earlier step appended (a rule that waits for
+    a line end, a stop string split over steps): those are taken back too, so the output's
+    tokens are the same however steps grouped them (plain or speculative)."""
+    ids = seq.output_token_ids + kept
+    n = len(ids)
+    while n > 0 and len(detok.decode_output(ids[:n - 1])) > at:
+        n -= 1
+    old = len(seq.output_token_ids)
+    if n < old:
+        seq.output_token_ids = seq.output_token_ids[:n]  # a new list: Sequence.tokens rebuilds
+        return []
+    return kept[:n - old]

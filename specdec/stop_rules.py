@@ -65,13 +65,16 @@ class SuffixRepeat:
         return None
 
     def holdback(self, text: str) -> int:
-        """The longest tail of `text` (trailing spaces and tabs included) that could begin a
-        repeat not yet complete."""
+        """How much of the tail of `text` could still turn out to be a repeat: the longest
+        tail that begins the pattern, or the whole pattern and the spaces after it while its
+        newline has not come."""
+        p = self.pattern
         body = text.rstrip(" \t")
-        spaces = len(text) - len(body)
-        for n in range(min(len(self.pattern), len(body)), 0, -1):
-            if body.endswith(self.pattern[:n]):
-                return n + spaces
+        if body.endswith(p):
+            return len(text) - len(body) + len(p)
+        for n in range(min(len(p) - 1, len(text)), 0, -1):
+            if text.endswith(p[:n]):
+                return n
         return 0
 
 

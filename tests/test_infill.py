@@ -233,10 +233,11 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids)
 
 
-def settle(params: SamplingParams, steps: list[str], started: float | None = None
-           ) -> tuple[str, str | None, Any]:
+def settle(params: SamplingParams, steps: list[str], started: float | None = None,
+           sent: list[str] | None = None) -> tuple[str, str | None, Any]:
     """Feed `steps` (each a step's new text, a token per character) through finish_check as
-    the engine does; return (output text, finish reason, stop_reason)."""
+    the engine does; return (output text, finish reason, stop_reason). `sent` gets what a
+    stream would have sent, step by step, and the output's tokens as text."""
     detok = IncrementalDetokenizer(CharTokenizer(), [ord("#")], stops=params.stop,
                                    rules=TextRules.of(params))
     seq = Sequence("r", [ord("#")], params)
@@ -247,8 +248,12 @@ def settle(params: SamplingParams, steps: list[str], started: float | None = Non
         if seq.first_token_time is None:
             seq.first_token_time = now if started is None else started
         seq.output_token_ids += kept
-        detok.add(kept, final=reason is not None)
+        delta = detok.add(kept, final=reason is not None)
+        if sent is not None:
+            sent.append(delta)
         if reason is not None:
+            if sent is not None:
+                sent.append("".join(chr(t) for t in seq.output_token_ids))
             return detok.text, reason, seq.stop_reason
     return detok.text, None, None
 
@@ -257,6 +262,13 @@ def test_rules_in_the_engine_finish_check() -> None:
     p = SamplingParams(max_tokens=100, fim_suffix="    return x\n", fim_line_start=True)
     text, reason, why = settle(p, ["    y = 1\n", "    ret", "urn x\n", "more"])
     assert (text, reason, why) == ("    y = 1\n", "stop", "    return x")
+    # However the steps group the tokens, the stream sends the same text and the output keeps
+    # the same tokens (up to the one where the cut falls), none of the repeat's indentation.
+    text = "    y = 1\n    return x\n"
+    for steps in ([text], list(text), ["    y = 1\n   ", " return", " x\n"]):
+        sent: list[str] = []
+        assert settle(p, steps, sent=sent)[:2] == ("    y = 1\n", "stop")
+        assert "".join(sent[:-1]) == "    y = 1\n" and sent[-1] == "    y = 1\n "
     p = SamplingParams(max_tokens=100, n_indent=4)
     assert settle(p, ["a\n    b\n", "c = 1\n"])[:2] == ("a\n    b\n", "length")
     # The budget: spent an hour ago, checked at the next step once a newline was seen.
@@ -297,3 +309,16 @@ def test_infill_sampler_is_llama_cpps() -> None:
     # No text candidate reaches 0.2: the end token alone.
     p = torch.tensor([0.002, 0.0, 0.0] + [0.998 / 6] * 6)
     assert infill_filter(p, eog, pieces).tolist() == [1.0] + [0] * 8
+
+
+def test_llama_sampler_chain_becomes_sampling_params() -> None:
+    from server.llama_api import parse_infill
+
+    vim = parse_infill(LLAMA_VIM).params
+    assert vim.infill and vim.temperature == 1.0 and vim.top_k == 40 and vim.top_p == 0.90
+    assert vim.min_p == 0.0 and vim.n_indent == 4 and vim.max_predict_ms == 250.0
+    default = parse_infill({"input_prefix": "x"}).params  # llama.cpp's default chain
+    assert default.temperature == 0.8 and default.temperature_last and not default.infill
+    assert (default.top_k, default.top_p, default.min_p) == (40, 0.95, 0.05)
+    greedy = parse_infill({"input_prefix": "x", "temperature": 0, "n_predict": 0}).params
+    assert greedy.greedy and greedy.max_tokens == 1
