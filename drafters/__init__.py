@@ -5,7 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from drafters import draft_model, eagle, ngram, replay  # noqa: F401  (registers the built-in drafters)
-from drafters.base import DRAFTERS, Drafter, DraftRequest, drafter_class, register
+from drafters.base import (
+    DRAFTERS,
+    Drafter,
+    DraftRequest,
+    check_speculative,
+    drafter_class,
+    register,
+)
 from drafters.tree import DraftTree, chain
 
 
@@ -14,5 +21,5 @@ def create_drafter(method: str, **kw: Any) -> Drafter:
     return drafter_class(method)(**kw)
 
 
-__all__ = ["DRAFTERS", "DraftRequest", "DraftTree", "Drafter", "chain", "create_drafter",
-           "drafter_class", "register"]
+__all__ = ["DRAFTERS", "DraftRequest", "DraftTree", "Drafter", "chain", "check_speculative",
+           "create_drafter", "drafter_class", "register"]

@@ -25,13 +25,62 @@ class DraftRequest:
     generator: torch.Generator | None = None  # the request's own RNG for drafter sampling
 
 
+@dataclass(frozen=True)
+class Option:
+    """A per-request speculative option: its type and, for numbers, its bounds (every size a
+    request may set has one, so no request can make a step's work unbounded)."""
+
+    kind: type
+    lo: float | None = None
+    hi: float | None = None
+
+    def check(self, key: str, v: Any) -> None:
+        ok = isinstance(v, self.kind) and not (self.kind is not bool and isinstance(v, bool))
+        if self.kind is float and isinstance(v, int) and not isinstance(v, bool):
+            ok = True
+        if not ok:
+            raise ValueError(f"speculative.{key} must be {_KIND_NAMES[self.kind]}, got "
+                             f"{type(v).__name__}")
+        if self.lo is not None and not self.lo <= v <= self.hi:
+            raise ValueError(f"speculative.{key} must be in [{self.lo:g}, {self.hi:g}], got {v}")
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
+               dict: "an object"}
+MAX_DRAFT_TOKENS = 64
+# Options every method takes (the engine reads them).
+COMMON_OPTIONS = {"method": Option(str), "num_speculative_tokens": Option(int, 0, MAX_DRAFT_TOKENS),
+                  "adaptive": Option(bool)}
+
+
+def check_speculative(spec: dict[str, Any]) -> None:
+    """Raise ValueError (naming the key) unless `spec` is a valid speculative dict: a known
+    method, and only the keys that method takes, each of its type and within its bounds."""
+    method = spec.get("method", "ngram")
+    if not isinstance(method, str):
+        raise ValueError("speculative.method must be a string")
+    known = dict(COMMON_OPTIONS)
+    if method != "none":
+        known.update(drafter_class(method).options)
+    for key, v in spec.items():
+        opt = known.get(key)
+        if opt is None:
+            raise ValueError(f"speculative.{key} is not an option of method {method!r} (it "
+                             f"takes {', '.join(sorted(known))})")
+        opt.check(key, v)
+    if spec.get("min_n", 1) > spec.get("max_n", max(3, spec.get("min_n", 1))):
+        raise ValueError("speculative.min_n must not exceed speculative.max_n")
+
+
 class Drafter(ABC):
     """Proposes draft trees; learns afterwards what the target accepted.
 
     Capabilities are fields: `needs_hidden_states` (consumes target hidden states),
-    `provides_probs` (its nodes carry the distribution they were drawn from)."""
+    `provides_probs` (its nodes carry the distribution they were drawn from). `options`: the
+    per-request options it reads (`check_speculative`)."""
 
     name: ClassVar[str]
+    options: ClassVar[dict[str, Option]] = {}
     needs_hidden_states: ClassVar[bool] = False
     provides_probs: ClassVar[bool] = False
     # Tokens the last proposal fed before its first draft (a draft model catching up after

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from drafters.base import Drafter, DraftRequest, register
+from drafters.base import Drafter, DraftRequest, Option, register
 from drafters.tree import DraftTree
 from specdec.block_manager import BlockManager
 from specdec.config import CacheConfig, ModelConfig, resolve_model_config
@@ -29,6 +29,7 @@ class DraftModelDrafter(Drafter):
     """Options: `branches` (default 1: a chain)."""
 
     name = "draft_model"
+    options = {"draft_model": Option(str), "branches": Option(int, 1, 8)}
     provides_probs = True
 
     def __init__(self, draft_model: str, target: ModelConfig, cache: CacheConfig,

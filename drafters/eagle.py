@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from drafters.base import Drafter, DraftRequest, register
+from drafters.base import Drafter, DraftRequest, Option, register
 from drafters.eagle_head import EagleHead, load_head
 from drafters.tree import DraftTree
 from specdec.config import ModelConfig
@@ -63,6 +63,8 @@ class _State:
 @register
 class EagleDrafter(Drafter):
     name = "eagle"
+    options = {"top_k": Option(int, 1, 16), "max_nodes": Option(int, 1, 128),
+               "eagle_head": Option(str)}
     needs_hidden_states = True
     provides_probs = True
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from drafters.base import Drafter, DraftRequest, register
+from drafters.base import Drafter, DraftRequest, Option, register
 from drafters.tree import DraftTree
 
 
@@ -53,6 +53,8 @@ class NgramDrafter(Drafter):
     (False): chains of k tokens always, drafted on the device in overlapped steps."""
 
     name = "ngram"
+    options = {"min_n": Option(int, 1, 16), "max_n": Option(int, 1, 16),
+               "branches": Option(int, 1, 8), "on_device": Option(bool)}
 
     def __init__(self, **_: Any) -> None:
         self._index: dict[str, _Index] = {}

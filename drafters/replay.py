@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from drafters.base import Drafter, DraftRequest, register
+from drafters.base import Drafter, DraftRequest, Option, register
 from drafters.tree import DraftTree
 
 # prompt token ids -> the target's generated token ids after it
@@ -82,6 +82,8 @@ class _Cursor:
 @register
 class ReplayDrafter(Drafter):
     name = "replay"
+    options = {"branches": Option(int, 1, 8), "corrupt_rate": Option(float, 0.0, 1.0),
+               "seed": Option(int, 0, 2**63 - 1), "script": Option(dict)}
 
     def __init__(self, target_vocab: dict[str, int] | None = None, target_model: Any = None,
                  **_: Any) -> None:

@@ -51,16 +51,41 @@ def to_api_error(exc: Exception) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}")
 
 
+class HostCheck:
+    """Answers 400 to a request whose Host header names a host not in `allowed` ("*": any)."""
+
+    def __init__(self, app: Any, allowed: list[str]) -> None:
+        self.app = app
+        self.allowed = {h.lower() for h in allowed}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and "*" not in self.allowed:
+            host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1").lower()
+            name = host.rsplit("]", 1)[0] + "]" if host.startswith("[") else host.split(":")[0]
+            if name not in self.allowed:
+                err = APIError(400, f"Host {host!r} is not allowed here (serve "
+                               "--allowed-hosts)", code="host_not_allowed")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | None = None,
               model_name: str | None = None, metrics: ServerMetrics | None = None,
               shutdown_grace: float = 0.0,
-              infill_speculative: dict[str, Any] | None = None) -> Starlette:
+              infill_speculative: dict[str, Any] | None = None,
+              draft_models: dict[str, str] | None = None,
+              allowed_hosts: list[str] | None = None) -> Starlette:
     """Build the app around an `LLMEngine` (wrapped here) or an `AsyncEngine`.
 
     The app owns the AsyncEngine's lifetime: lifespan shutdown aborts what is still running
     after `shutdown_grace` seconds (the CLI drains before that, on SIGTERM).
     `infill_speculative`: the speculation of /infill requests that choose none (None: the
-    engine's default, as for every request)."""
+    engine's default, as for every request). `draft_models`: the draft models requests may
+    name (name -> the model the engine loads), besides the engine's default one.
+    `allowed_hosts`: the Host header values (without port) a request may carry; None: any. A
+    server on a loopback address takes only local names, so that a web page that rebinds its own
+    name to 127.0.0.1 cannot reach it (the CLI's default)."""
     if isinstance(engine, AsyncEngine):
         aengine = engine
     else:
@@ -68,7 +93,7 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
     metrics = aengine.metrics
     name = model_name or str(getattr(aengine.engine, "model_name", "specdec"))
     max_len = int(aengine.engine.max_model_len)
-    serving = Serving(aengine, name, max_len, infill_speculative)
+    serving = Serving(aengine, name, max_len, infill_speculative, draft_models)
     started = int(time.time())
 
     def check_auth(request: Request) -> None:
@@ -96,6 +121,12 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
 
     def generation(parse: Callable[[dict[str, Any]], protocol.GenerationRequest]) -> Handler:
         async def run(request: Request) -> Response:
+            # JSON only: a web page can send a form or text/plain across sites without asking
+            # (no CORS preflight), never application/json.
+            media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if media != "application/json":
+                raise APIError(415, "Content-Type must be application/json",
+                               code="unsupported_media_type")
             body = protocol.parse_json(await request.body())
             return await serving.handle(parse(body), request)
 
@@ -147,6 +178,8 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found},
                     lifespan=lifespan)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)
     app.state.engine = aengine
     app.state.serving = serving
     return app

@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", default=None, choices=["ngram", "draft_model", "none"],
                    help="default drafter (default: the engine's choice)")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--allowed-hosts", default=None, metavar="HOST,...",
+                   help="Host header values to answer ('*': any); default: on a loopback "
+                        "--host, localhost, 127.0.0.1 and [::1] only; else any")
+    p.add_argument("--draft-models", default="", metavar="NAME=MODEL,...",
+                   help="draft models requests may name in speculative.draft_model, besides "
+                        "the default one (a preset, directory or GGUF each; loaded on first use)")
     p.add_argument("--infill-speculative", default="ngram",
                    choices=["default", "ngram", "draft_model", "none"],
                    help="speculation for /infill requests that do not choose one; 'default': "
@@ -62,6 +68,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "on the device and each step is launched before the last is read back)")
     p.add_argument("--log-level", default="info")
     return p
+
+
+LOOPBACK = ("localhost", "127.0.0.1", "[::1]", "::1")
+
+
+def allowed_hosts_from_args(args: argparse.Namespace) -> list[str] | None:
+    if args.allowed_hosts is not None:
+        return [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    if args.host in LOOPBACK or args.host.startswith("127."):
+        return [*LOOPBACK, args.host]
+    return None
+
+
+def draft_models_from_args(args: argparse.Namespace) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in args.draft_models.split(","))):
+        name, sep, model = item.partition("=")
+        if not sep or not name or not model:
+            raise SystemExit(f"--draft-models takes NAME=MODEL,...; got {item!r}")
+        out[name] = model
+    return out
 
 
 def speculative_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -188,7 +215,9 @@ async def _serve(args: argparse.Namespace) -> None:
         infill = None if args.infill_speculative == "default" else {
             "method": args.infill_speculative}
         loading.ready(build_app(aengine, api_key=args.api_key,
-                                model_name=args.served_model_name, infill_speculative=infill))
+                                model_name=args.served_model_name, infill_speculative=infill,
+                                draft_models=draft_models_from_args(args),
+                                allowed_hosts=allowed_hosts_from_args(args)))
         log.info("ready after %.1f s: serving %s on http://%s:%d", time.monotonic() - t0,
                  args.model, args.host, args.port)
 
@@ -201,6 +230,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def serve_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    draft_models_from_args(args)  # a malformed list fails here, before any loading
     # The engine thread gives up the GIL in every kernel call and must win it back from the
     # event loop's thread; a shorter switch interval bounds that wait (default 5 ms).
     sys.setswitchinterval(0.0005)

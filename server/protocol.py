@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from drafters import check_speculative
 from specdec.sampling_params import SamplingParams
 
-SPEC_METHODS_HINT = "'ngram', 'draft_model' or 'none'"
 MAX_N = 16
 UNSET_MAX_TOKENS = 1 << 30
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -136,19 +136,22 @@ def _stop(body: dict[str, Any], name: str = "stop") -> tuple[str, ...]:
 
 
 def _speculative(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The per-request speculation, checked in full here (method, keys, types, bounds), so a
+    bad option is a 400 before admission and never fails a step shared with other requests.
+    Which draft models and heads a request may name is the server's to say (server/serving.py).
+    """
     v = body.get("speculative")
     if v is None:
         return None
     if not isinstance(v, dict):
         raise invalid("speculative", "'speculative' must be an object such as "
                       '{"method": "ngram", "num_speculative_tokens": 4}')
-    method = v.get("method", "ngram")
-    if not isinstance(method, str) or not method:
-        raise invalid("speculative", f"'speculative.method' must be {SPEC_METHODS_HINT}")
-    k = v.get("num_speculative_tokens")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64):
-        raise invalid("speculative", "'speculative.num_speculative_tokens' must be an integer "
-                      "in [0, 64]")
+    try:
+        check_speculative(v)
+    except ValueError as exc:
+        param = str(exc).split(" ", 1)[0]
+        raise invalid(param if param.startswith("speculative") else "speculative",
+                      str(exc)) from None
     return dict(v)
 
 

@@ -31,9 +31,16 @@ class Serving:
     served model name."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: int,
-                 infill_speculative: dict[str, Any] | None = None) -> None:
+                 infill_speculative: dict[str, Any] | None = None,
+                 draft_models: dict[str, str] | None = None) -> None:
         self.engine = engine
         self.infill_speculative = infill_speculative
+        # The draft models a request may name (name -> what the engine loads): the operator's
+        # choice, never a path from a client.
+        default = getattr(getattr(engine.engine, "default_spec", None), "draft_model", None)
+        self.draft_models = dict(draft_models or {})
+        if default:
+            self.draft_models.setdefault(str(default), str(default))
         self.model_name = model_name
         self.builder = PromptBuilder(engine.engine.tokenizer, max_model_len,
                                      tuple(getattr(engine.engine, "eos_token_ids", ())))
@@ -53,6 +60,8 @@ class Serving:
         params = self.builder.fit(req, prompt)
         if req.kind == "infill" and params.speculative is None and self.infill_speculative:
             params = dataclasses.replace(params, speculative=dict(self.infill_speculative))
+        if params.speculative is not None:
+            params = dataclasses.replace(params, speculative=self._allowed(params.speculative))
         rid = _ID_PREFIX[req.kind] + uuid.uuid4().hex
         streams = await self._submit(rid, prompt.ids, params, req.n)
         fmt = Formatter(req.kind, self.model_name, self.builder, rid)
@@ -75,6 +84,24 @@ class Serving:
         prefix = prompt.text if req.echo else ""
         return JSONResponse(fmt.completion(choices, n_prompt, prefix,
                                            req.params.logprobs is not None))
+
+    def _allowed(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """A request's speculation with its draft model mapped to what the server loads; a name
+        the operator did not allow is a 400 that says nothing of the filesystem."""
+        spec = dict(spec)
+        if "eagle_head" in spec:
+            raise APIError(400, "'speculative.eagle_head' cannot be chosen per request: this "
+                           "server runs the EAGLE head it was started with",
+                           param="speculative.eagle_head", code="invalid_value")
+        name = spec.get("draft_model")
+        if name is not None:
+            if name not in self.draft_models:
+                names = ", ".join(sorted(self.draft_models)) or "none"
+                raise APIError(400, f"'speculative.draft_model' must be one of this server's "
+                               f"draft models: {names} (serve --draft-models NAME=MODEL adds "
+                               "more)", param="speculative.draft_model", code="invalid_value")
+            spec["draft_model"] = self.draft_models[name]
+        return spec
 
     def _llama_final(self, choice: Choice, req: GenerationRequest, prompt: Prompt,
                      params: Any, stream: bool) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from drafters import DraftRequest, DraftTree, create_drafter, drafter_class
+from drafters import DraftRequest, DraftTree, check_speculative, create_drafter, drafter_class
 from drafters.tree import row_shape
 from specdec.block_manager import BlockManager
 from specdec.config import (
@@ -160,6 +160,8 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _resolve_spec(self, override: dict[str, Any] | None) -> tuple[str, int, dict]:
+        if override is not None:
+            check_speculative(override)  # at admission: a bad option never reaches a step
         sc = self.default_spec if override is None else SpeculativeConfig.from_dict(override)
         if override is not None and sc.method == "draft_model" and not sc.draft_model:
             sc = replace(sc, draft_model=self.default_spec.draft_model)

@@ -34,7 +34,8 @@ def servers(tiny_model: Path,
     srvs = {
         # Fixed draft lengths: the tests check what speculation does, not when it pays.
         "main": ServerProcess([*common, "--max-num-seqs", "4", "--speculative", "ngram",
-                               "--num-speculative-tokens", "3", "--no-adaptive-speculation"]),
+                               "--num-speculative-tokens", "3", "--no-adaptive-speculation",
+                               "--draft-models", f"self={tiny_model}"]),
         "strict": ServerProcess([*common, "--max-num-seqs", "1", "--max-waiting", "1",
                                  "--api-key", "sekrit", "--speculative", "none"]),
     }
@@ -72,7 +73,7 @@ def test_greedy_equal_across_speculation(client: openai.OpenAI, tiny_model: Path
     for method in ("none", "ngram", "draft_model"):
         spec = {"method": method, "num_speculative_tokens": 3}
         if method == "draft_model":
-            spec["draft_model"] = str(tiny_model)  # the target drafting for itself
+            spec["draft_model"] = "self"  # the target drafting for itself (--draft-models)
         r = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={
             "speculative": spec}, **GREEDY)
         texts[method], specs[method] = r.choices[0].text, spec_of(r)
@@ -214,8 +215,14 @@ def test_error_statuses(strict_server: ServerProcess) -> None:
     assert e413.value.status_code == 413
     assert e413.value.body["code"] == "context_length_exceeded"
     auth = {"Authorization": "Bearer sekrit"}
-    r = httpx.post(url + "/v1/completions", content=b"{not json", headers=auth)
+    r = httpx.post(url + "/v1/completions", content=b"{not json",
+                   headers={**auth, "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x"}', headers=auth)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x"},
+                   headers={**auth, "Host": "attacker.example"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed"
     assert httpx.get(url + "/v1/engines", headers=auth).status_code == 404
 
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60, "temperature": 0}

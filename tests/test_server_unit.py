@@ -138,7 +138,8 @@ def test_fim_and_infill() -> None:
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
     ({"prompt": "x", "speculative": "fast"}, "speculative"),
-    ({"prompt": "x", "speculative": {"num_speculative_tokens": 99}}, "speculative"),
+    ({"prompt": "x", "speculative": {"num_speculative_tokens": 99}},
+     "speculative.num_speculative_tokens"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [1, -2]}, "prompt"),
@@ -170,7 +171,8 @@ def test_error_statuses() -> None:
                              headers={"Authorization": "Bearer nope"})
             assert r.status_code == 401
             assert (await c.get("/health")).status_code == 200  # probes need no key
-            r = await c.post("/v1/completions", content=b"{nope", headers=auth)
+            r = await c.post("/v1/completions", content=b"{nope",
+                             headers={**auth, "content-type": "application/json"})
             assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
             r = await c.post("/v1/completions", json={"prompt": "x", "model": "gpt-9"},
                              headers=auth)

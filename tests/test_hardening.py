@@ -1,0 +1,110 @@
+"""What a hostile or careless client cannot do: speculative options checked before admission
+(types, known keys, bounds), no client-chosen model files, no non-JSON bodies (a web page's
+cross-site forms), no foreign Host names on a local server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest_server import FakeEngine
+from test_server_unit import client, run
+
+from drafters import check_speculative
+
+
+def post(body: dict[str, Any], engine: FakeEngine | None = None, headers: dict | None = None,
+         path: str = "/v1/completions", **kw: Any) -> Any:
+    async def go() -> Any:
+        async with client(engine or FakeEngine(), **kw) as c:
+            return await c.post(path, json=body, headers=headers or {})
+    return run(go())
+
+
+@pytest.mark.parametrize("spec,param", [
+    ({"method": "ngram", "branches": "x"}, "speculative.branches"),
+    ({"method": "ngram", "max_n": 30000000}, "speculative.max_n"),
+    ({"method": "ngram", "min_n": 4, "max_n": 2}, "speculative.min_n"),
+    ({"method": "ngram", "tree": 3}, "speculative.tree"),
+    ({"method": "draft_model", "branches": 9}, "speculative.branches"),
+    ({"method": "ngram", "num_speculative_tokens": 65}, "speculative.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "speculative.num_speculative_tokens"),
+    ({"method": "ngram", "adaptive": "yes"}, "speculative.adaptive"),
+    ({"method": "nonsense"}, "speculative"),
+    ({"method": 3}, "speculative.method"),
+])
+def test_bad_speculative_options_are_400_before_admission(spec: dict, param: str) -> None:
+    r = post({"prompt": "hi", "max_tokens": 2, "speculative": spec})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_good_speculative_options_pass() -> None:
+    for spec in ({"method": "ngram", "min_n": 2, "max_n": 4, "branches": 3, "adaptive": False},
+                 {"method": "none"}, {"method": "draft_model", "num_speculative_tokens": 6},
+                 {"method": "eagle", "top_k": 4, "max_nodes": 32},
+                 {"method": "replay", "corrupt_rate": 0.5, "seed": 3}):
+        check_speculative(spec)
+    with pytest.raises(ValueError, match="speculative.corrupt_rate"):
+        check_speculative({"method": "replay", "corrupt_rate": 2})
+
+
+class Recording(FakeEngine):
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
+        self.last_spec = params.speculative
+        super().add_request(request_id, prompt, params)
+
+
+def test_draft_models_only_from_the_operators_list() -> None:
+    for name in ("/etc", "/root/.cache/specdec/models/qwen2.5-coder-0.5b", "qwen2.5-coder-7b"):
+        r = post({"prompt": "hi", "max_tokens": 2,
+                  "speculative": {"method": "draft_model", "draft_model": name}})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "speculative.draft_model" and name not in err["message"]
+    eng = Recording()
+    r = post({"prompt": "hi", "max_tokens": 2,
+              "speculative": {"method": "draft_model", "draft_model": "small"}}, eng,
+             draft_models={"small": "/models/small-draft"})
+    assert r.status_code == 200, r.text
+    assert eng.last_spec["draft_model"] == "/models/small-draft"
+    r = post({"prompt": "hi", "max_tokens": 2,
+              "speculative": {"method": "eagle", "eagle_head": "/tmp/head"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative.eagle_head"
+
+
+def test_only_json_bodies() -> None:
+    async def go() -> None:
+        async with client() as c:
+            for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+                headers = {"content-type": ctype} if ctype else {}
+                r = await c.post("/v1/completions", content=b'{"prompt": "hi"}',
+                                 headers=headers)
+                assert r.status_code == 415, (ctype, r.text)
+                assert r.json()["error"]["code"] == "unsupported_media_type"
+            r = await c.post("/infill", content=b'{"input_prefix": "x", "n_predict": 1}',
+                             headers={"content-type": "application/json; charset=utf-8"})
+            assert r.status_code == 200, r.text
+    run(go())
+
+
+def test_local_server_answers_local_host_names_only() -> None:
+    hosts = ["localhost", "127.0.0.1", "[::1]"]
+    r = post({"prompt": "hi", "max_tokens": 1}, headers={"host": "evil.example:8000"},
+             allowed_hosts=hosts)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed"
+    for host in ("localhost:8000", "127.0.0.1:8000", "[::1]:8000"):
+        r = post({"prompt": "hi", "max_tokens": 1}, headers={"host": host}, allowed_hosts=hosts)
+        assert r.status_code == 200, (host, r.text)
+
+
+def test_cli_defaults() -> None:
+    from server.cli import allowed_hosts_from_args, build_parser, draft_models_from_args
+
+    args = build_parser().parse_args([])
+    assert "localhost" in allowed_hosts_from_args(args)
+    assert allowed_hosts_from_args(build_parser().parse_args(["--host", "0.0.0.0"])) is None
+    args = build_parser().parse_args(["--draft-models", "a=x,b=/y/z"])
+    assert draft_models_from_args(args) == {"a": "x", "b": "/y/z"}
+    with pytest.raises(SystemExit):
+        draft_models_from_args(build_parser().parse_args(["--draft-models", "oops"]))
