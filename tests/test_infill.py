@@ -322,3 +322,54 @@ def test_llama_sampler_chain_becomes_sampling_params() -> None:
     assert (default.top_k, default.top_p, default.min_p) == (40, 0.95, 0.05)
     greedy = parse_infill({"input_prefix": "x", "temperature": 0, "n_predict": 0}).params
     assert greedy.greedy and greedy.max_tokens == 1
+
+
+# ---- the rules end to end, in the engine, on a tiny model with FIM tokens ---------------------
+
+@pytest.fixture(scope="module")
+def tiny_fim(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from conftest_server import make_tiny_model
+
+    from specdec import LLM
+
+    return LLM(model=str(make_tiny_model(tmp_path_factory.mktemp("fim") / "m")),
+               dtype="float32", device="cpu")
+
+
+SPECS = [{"method": "none"}, {"method": "ngram", "num_speculative_tokens": 3}]
+
+
+def test_rules_end_to_end(tiny_fim: Any) -> None:
+    prompt = "import os\n"
+    base = dict(temperature=0.0, max_tokens=60, ignore_eos=True)
+    plain = tiny_fim.generate([prompt], SamplingParams(**base))[0]
+    text, ids = plain.text, plain.token_ids
+    first_nl = text.index("\n")  # the tiny model writes a line break early on this prompt
+    line2 = text[first_nl + 1:]
+    width = len(line2) - len(line2.lstrip(" "))
+    decode = tiny_fim.engine.tokenizer.decode
+    nl_token = next(i for i in range(len(ids)) if "\n" in decode(ids[:i + 1]))
+    for spec in SPECS:
+        def run(**kw: Any) -> Any:
+            return tiny_fim.generate([prompt], SamplingParams(**base, speculative=spec,
+                                                              **kw))[0]
+        # n_indent above the second line's indentation: cut before its text.
+        out = run(n_indent=width + 1)
+        assert (out.text, out.finish_reason) == (text[:first_nl + 1 + width], "length"), spec
+        # The suffix starts with the output's first line: the middle is empty.
+        out = run(fim_suffix=text[:first_nl] + "\nrest\n", fim_line_start=True)
+        assert (out.text, out.finish_reason) == ("", "stop"), spec
+        # A spent budget: the token after the first newline is the last.
+        out = run(max_predict_ms=1e-3)
+        assert out.token_ids == ids[:nl_token + 2] and out.finish_reason == "length", spec
+
+
+def test_fim_end_tokens_of_a_real_tokenizer(tiny_fim: Any) -> None:
+    tok = tiny_fim.engine.tokenizer
+    pb = PromptBuilder(tok, 512, tiny_fim.engine.eos_token_ids)
+    vocab = tok.get_vocab()
+    assert pb.supports_fim
+    assert {vocab["<|file_sep|>"], vocab["<|repo_name|>"], vocab["<|im_end|>"]} <= set(
+        pb.fim_end_ids)
+    p = pb.build(infill(input_prefix="a", input_suffix="b"))
+    assert pb.decode(p.ids).endswith("<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>")
