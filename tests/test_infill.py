@@ -350,7 +350,7 @@ def test_rules_end_to_end(tiny_fim: Any) -> None:
     decode = tiny_fim.engine.tokenizer.decode
     nl_token = next(i for i in range(len(ids)) if "\n" in decode(ids[:i + 1]))
     for spec in SPECS:
-        def run(**kw: Any) -> Any:
+        def run(spec: dict = spec, **kw: Any) -> Any:
             return tiny_fim.generate([prompt], SamplingParams(**base, speculative=spec,
                                                               **kw))[0]
         # n_indent above the second line's indentation: cut before its text.
