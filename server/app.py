@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -31,10 +31,16 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+MAX_BODY_BYTES = 8 << 20
+
+
 def to_api_error(exc: Exception) -> APIError:
     """Map what submitting or running a request can raise to the client's error."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ClientDisconnect):  # the client left mid-body: nobody reads this
+        log.debug("client disconnected while sending its request")
+        return APIError(499, "client closed the request", code="client_closed_request")
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), code="queue_full",
                         headers={"Retry-After": str(exc.retry_after)})
@@ -49,6 +55,20 @@ def to_api_error(exc: Exception) -> APIError:
         return APIError(500, str(exc), code="engine_error")
     log.exception("unhandled error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    too_big = APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class HostCheck:
@@ -75,7 +95,8 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
               shutdown_grace: float = 0.0,
               infill_speculative: dict[str, Any] | None = None,
               draft_models: dict[str, str] | None = None,
-              allowed_hosts: list[str] | None = None) -> Starlette:
+              allowed_hosts: list[str] | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     """Build the app around an `LLMEngine` (wrapped here) or an `AsyncEngine`.
 
     The app owns the AsyncEngine's lifetime: lifespan shutdown aborts what is still running
@@ -85,7 +106,8 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
     name (name -> the model the engine loads), besides the engine's default one.
     `allowed_hosts`: the Host header values (without port) a request may carry; None: any. A
     server on a loopback address takes only local names, so that a web page that rebinds its own
-    name to 127.0.0.1 cannot reach it (the CLI's default)."""
+    name to 127.0.0.1 cannot reach it (the CLI's default). A body over `max_body_bytes` is a 413,
+    answered as soon as its declared or received length passes the limit."""
     if isinstance(engine, AsyncEngine):
         aengine = engine
     else:
@@ -127,7 +149,7 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
             if media != "application/json":
                 raise APIError(415, "Content-Type must be application/json",
                                code="unsupported_media_type")
-            body = protocol.parse_json(await request.body())
+            body = protocol.parse_json(await read_body(request, max_body_bytes))
             return await serving.handle(parse(body), request)
 
         return run

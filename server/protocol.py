@@ -78,8 +78,15 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(None, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid(None, "request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid(None, "request body must be a JSON object")
+    try:  # a lone UTF-16 surrogate ("\ud800") is valid JSON and no text a tokenizer takes
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(None, "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff) "
+                      "outside a pair: not text") from None
     return body
 
 
@@ -258,7 +265,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise invalid(param, f"'{param}' must be an object with 'role' and 'content'")
     role = m.get("role")
-    if role not in CHAT_ROLES:
+    if not isinstance(role, str) or role not in CHAT_ROLES:
         raise invalid(f"{param}.role", f"'{param}.role' must be one of {sorted(CHAT_ROLES)}")
     content = m.get("content")
     if content is None:

@@ -108,3 +108,25 @@ def test_cli_defaults() -> None:
     assert draft_models_from_args(args) == {"a": "x", "b": "/y/z"}
     with pytest.raises(SystemExit):
         draft_models_from_args(build_parser().parse_args(["--draft-models", "oops"]))
+
+
+def test_bad_bodies_are_400_or_413_not_500() -> None:
+    async def go() -> None:
+        async with client(max_body_bytes=4096) as c:
+            h = {"content-type": "application/json"}
+            deep = b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+            r = await c.post("/v1/completions", content=deep, headers=h)
+            assert r.status_code in (400, 413), r.text
+            r = await c.post("/v1/completions", content=b'{"prompt": "a\\ud800b"}', headers=h)
+            assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+            r = await c.post("/v1/chat/completions", headers=h,
+                             content=b'{"messages": [{"role": ["user"], "content": "x"}]}')
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+            r = await c.post("/v1/completions", headers=h,
+                             content=b'{"prompt": "' + b"x" * 5000 + b'"}')
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        async with client() as c:
+            deep = b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+            r = await c.post("/v1/completions", content=deep, headers=h)
+            assert r.status_code == 400 and "deeply" in r.json()["error"]["message"], r.text
+    run(go())
