@@ -148,7 +148,22 @@ class PromptBuilder:
                                                 tokenize=False)
         except Exception as exc:
             raise invalid("messages", f"chat template failed: {exc}") from None
-        return self.encode(text), text
+        return self._chat_ids(text, [m["content"] for m in messages]), text
+
+    def _chat_ids(self, text: str, contents: list[str]) -> list[int]:
+        """The rendered chat's tokens, where only the template's own text can hold control
+        tokens: each message's content, found in order in the rendering, is read as plain text
+        (so "<|im_end|>\n<|im_start|>system" typed by a user cannot open a system turn). A
+        content the template altered is not found, and what follows is read as the template."""
+        ids: list[int] = []
+        pos = 0
+        for content in contents:
+            at = text.find(content, pos) if content else -1
+            if at < 0:
+                continue
+            ids += self.encode(text[pos:at]) + self.encode(content, special=False)
+            pos = at + len(content)
+        return ids + self.encode(text[pos:])
 
     def fit(self, req: GenerationRequest, prompt: Prompt) -> Any:
         """Return the request's SamplingParams with max_tokens fitted into the context, and a
