@@ -173,16 +173,26 @@ class LLMEngine:
             if not sc.draft_model:
                 raise ValueError("speculative method 'draft_model' needs a draft_model")
             opts["draft_model"] = sc.draft_model
-            self._drafter(sc.method, sc.draft_model)  # load (and check) it now
+        if sc.method == "eagle" and "eagle_head" not in opts \
+                and self.default_spec.options.get("eagle_head"):
+            opts["eagle_head"] = self.default_spec.options["eagle_head"]
+        if sc.method in ("draft_model", "eagle"):
+            self._drafter(sc.method, _source(sc.method, opts))  # load (and check) it now
         return sc.method, sc.num_speculative_tokens, opts
 
-    def _drafter(self, method: str, draft_model: str | None):
-        key = (method, draft_model)
+    def _drafter(self, method: str, source: str | None):
+        """The drafter of `method` built from `source` (its draft model or EAGLE head; None:
+        the default), one per such pair, shared by every request that names it."""
+        key = (method, source)
         if key not in self._drafters:
+            options = dict(self.default_spec.options)
+            if method == "eagle" and source is not None:
+                options["eagle_head"] = source
             self._drafters[key] = create_drafter(
-                method, draft_model=draft_model, target=self.config.model,
-                cache=self.config.cache, target_vocab=self.tokenizer.get_vocab(),
-                target_model=self.runner.model, options=self.default_spec.options)
+                method, draft_model=source if method == "draft_model" else None,
+                target=self.config.model, cache=self.config.cache,
+                target_vocab=self.tokenizer.get_vocab(), target_model=self.runner.model,
+                options=options)
         return self._drafters[key]
 
     def load_default_drafter(self) -> None:
@@ -190,7 +200,7 @@ class LLMEngine:
         no request pays for it; the server calls this before it reports ready."""
         spec = self.default_spec
         if spec.method != "none":
-            self._drafter(spec.method, spec.draft_model)
+            self._drafter(spec.method, _source(spec.method, spec.to_dict()))
             from specdec.models.loader import release_freed_memory
 
             release_freed_memory()
@@ -275,7 +285,7 @@ class LLMEngine:
         return {**fixed, **self.spec_control.choose(base, plain, cands)}
 
     def _drafter_of(self, seq: Sequence):
-        return self._drafter(seq.spec_method, seq.spec_options.get("draft_model"))
+        return self._drafter(seq.spec_method, _source(seq.spec_method, seq.spec_options))
 
     def _release_drafter(self, seq: Sequence) -> None:
         if seq.spec_method != "none":
@@ -287,7 +297,7 @@ class LLMEngine:
         groups: dict[tuple[str, str | None], list[int]] = {}
         for i, d in enumerate(plan.decodes):
             if d.max_draft_nodes > 0 and d.seq.spec_method != "none":
-                key = (d.seq.spec_method, d.seq.spec_options.get("draft_model"))
+                key = (d.seq.spec_method, _source(d.seq.spec_method, d.seq.spec_options))
                 groups.setdefault(key, []).append(i)
         for key, idxs in groups.items():
             t0 = time.perf_counter()
@@ -398,3 +408,12 @@ class LLMEngine:
             self._spec.pop(seq.request_id, None)
         return out
 
+
+def _source(method: str, options: dict[str, Any]) -> str | None:
+    """What a drafter of `method` is built from, as a request's options name it: the draft
+    model, or the EAGLE head (a request's own head is honoured, not the first one built)."""
+    if method == "draft_model":
+        return options.get("draft_model")
+    if method == "eagle":
+        return options.get("eagle_head")
+    return None

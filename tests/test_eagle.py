@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -101,7 +102,8 @@ def test_greedy_equals_plain(tiny_llama, heads, reference, case):
     outs += llm.generate(PROMPTS[3:], GREEDY)  # and batched, with per-request settings
     assert [o.token_ids for o in outs] == reference
     assert all(o.spec is not None and o.spec.draft_tokens > 0 for o in outs)
-    assert llm.engine.blocks.num_used == 0 and not llm.engine._drafter("eagle", None)._states
+    assert llm.engine.blocks.num_used == 0
+    assert not llm.engine._drafter("eagle", str(heads[head]))._states
 
 
 def test_tree_respects_per_request_settings(tiny_llama, heads):
@@ -111,6 +113,20 @@ def test_tree_respects_per_request_settings(tiny_llama, heads):
     out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=12,
                                                     ignore_eos=True, speculative=spec))[0]
     assert out.spec.draft_tokens <= 5 * out.spec.steps
+
+
+def test_a_requests_own_head_is_used(tiny_llama, heads, reference):
+    llm = LLM(model=str(tiny_llama), speculative={"method": "eagle",
+                                                  "eagle_head": str(heads["eagle1"])})
+    own = {"method": "eagle", "eagle_head": str(heads["eagle3"]), "num_speculative_tokens": 3}
+    out = llm.generate([PROMPTS[0]], dataclasses.replace(GREEDY, speculative=own))[0]
+    assert out.token_ids == reference[0] and out.spec.draft_tokens > 0
+    built = {key[1] for key in llm.engine._drafters if key[0] == "eagle"}
+    assert str(heads["eagle3"]) in built  # not silently the engine's eagle1 head
+    missing = {"method": "eagle", "eagle_head": str(heads["eagle1"]) + "-nope"}
+    with pytest.raises((ValueError, FileNotFoundError, OSError)):
+        llm.generate([PROMPTS[0]], dataclasses.replace(GREEDY, speculative=missing))
+    assert llm.engine.blocks.num_used == 0 and not llm.engine.has_unfinished()
 
 
 @pytest.fixture(scope="module")
