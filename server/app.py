@@ -95,6 +95,7 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
               shutdown_grace: float = 0.0,
               infill_speculative: dict[str, Any] | None = None,
               draft_models: dict[str, str] | None = None,
+              eagle_heads: dict[str, str] | None = None,
               allowed_hosts: list[str] | None = None,
               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     """Build the app around an `LLMEngine` (wrapped here) or an `AsyncEngine`.
@@ -103,7 +104,8 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
     after `shutdown_grace` seconds (the CLI drains before that, on SIGTERM).
     `infill_speculative`: the speculation of /infill requests that choose none (None: the
     engine's default, as for every request). `draft_models`: the draft models requests may
-    name (name -> the model the engine loads), besides the engine's default one.
+    name (name -> the model the engine loads), besides the engine's default one; `eagle_heads`
+    likewise the EAGLE heads.
     `allowed_hosts`: the Host header values (without port) a request may carry; None: any. A
     server on a loopback address takes only local names, so that a web page that rebinds its own
     name to 127.0.0.1 cannot reach it (the CLI's default). A body over `max_body_bytes` is a 413,
@@ -115,7 +117,7 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
     metrics = aengine.metrics
     name = model_name or str(getattr(aengine.engine, "model_name", "specdec"))
     max_len = int(aengine.engine.max_model_len)
-    serving = Serving(aengine, name, max_len, infill_speculative, draft_models)
+    serving = Serving(aengine, name, max_len, infill_speculative, draft_models, eagle_heads)
     started = int(time.time())
 
     def check_auth(request: Request) -> None:

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-models", default="", metavar="NAME=MODEL,...",
                    help="draft models requests may name in speculative.draft_model, besides "
                         "the default one (a preset, directory or GGUF each; loaded on first use)")
+    p.add_argument("--eagle-heads", default="", metavar="NAME=DIR,...",
+                   help="EAGLE heads requests may name in speculative.eagle_head")
     p.add_argument("--infill-speculative", default="ngram",
                    choices=["default", "ngram", "draft_model", "none"],
                    help="speculation for /infill requests that do not choose one; 'default': "
@@ -81,12 +83,13 @@ def allowed_hosts_from_args(args: argparse.Namespace) -> list[str] | None:
     return None
 
 
-def draft_models_from_args(args: argparse.Namespace) -> dict[str, str]:
+def named(value: str, flag: str) -> dict[str, str]:
+    """NAME=MODEL,... as a dict (`--draft-models`, `--eagle-heads`)."""
     out: dict[str, str] = {}
-    for item in filter(None, (x.strip() for x in args.draft_models.split(","))):
+    for item in filter(None, (x.strip() for x in value.split(","))):
         name, sep, model = item.partition("=")
         if not sep or not name or not model:
-            raise SystemExit(f"--draft-models takes NAME=MODEL,...; got {item!r}")
+            raise SystemExit(f"{flag} takes NAME=MODEL,...; got {item!r}")
         out[name] = model
     return out
 
@@ -216,7 +219,8 @@ async def _serve(args: argparse.Namespace) -> None:
             "method": args.infill_speculative}
         loading.ready(build_app(aengine, api_key=args.api_key,
                                 model_name=args.served_model_name, infill_speculative=infill,
-                                draft_models=draft_models_from_args(args),
+                                draft_models=named(args.draft_models, "--draft-models"),
+                                eagle_heads=named(args.eagle_heads, "--eagle-heads"),
                                 allowed_hosts=allowed_hosts_from_args(args)))
         log.info("ready after %.1f s: serving %s on http://%s:%d", time.monotonic() - t0,
                  args.model, args.host, args.port)
@@ -230,7 +234,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def serve_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    draft_models_from_args(args)  # a malformed list fails here, before any loading
+    named(args.draft_models, "--draft-models")  # a malformed list fails here, before loading
+    named(args.eagle_heads, "--eagle-heads")
     # The engine thread gives up the GIL in every kernel call and must win it back from the
     # event loop's thread; a shorter switch interval bounds that wait (default 5 ms).
     sys.setswitchinterval(0.0005)

@@ -32,7 +32,8 @@ class Serving:
 
     def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: int,
                  infill_speculative: dict[str, Any] | None = None,
-                 draft_models: dict[str, str] | None = None) -> None:
+                 draft_models: dict[str, str] | None = None,
+                 eagle_heads: dict[str, str] | None = None) -> None:
         self.engine = engine
         self.infill_speculative = infill_speculative
         # The draft models a request may name (name -> what the engine loads): the operator's
@@ -41,6 +42,7 @@ class Serving:
         self.draft_models = dict(draft_models or {})
         if default:
             self.draft_models.setdefault(str(default), str(default))
+        self.eagle_heads = dict(eagle_heads or {})
         self.model_name = model_name
         self.builder = PromptBuilder(engine.engine.tokenizer, max_model_len,
                                      tuple(getattr(engine.engine, "eos_token_ids", ())))
@@ -89,18 +91,17 @@ class Serving:
         """A request's speculation with its draft model mapped to what the server loads; a name
         the operator did not allow is a 400 that says nothing of the filesystem."""
         spec = dict(spec)
-        if "eagle_head" in spec:
-            raise APIError(400, "'speculative.eagle_head' cannot be chosen per request: this "
-                           "server runs the EAGLE head it was started with",
-                           param="speculative.eagle_head", code="invalid_value")
-        name = spec.get("draft_model")
-        if name is not None:
-            if name not in self.draft_models:
-                names = ", ".join(sorted(self.draft_models)) or "none"
-                raise APIError(400, f"'speculative.draft_model' must be one of this server's "
-                               f"draft models: {names} (serve --draft-models NAME=MODEL adds "
-                               "more)", param="speculative.draft_model", code="invalid_value")
-            spec["draft_model"] = self.draft_models[name]
+        for key, allowed, flag in (("draft_model", self.draft_models, "--draft-models"),
+                                   ("eagle_head", self.eagle_heads, "--eagle-heads")):
+            name = spec.get(key)
+            if name is None:
+                continue
+            if name not in allowed:
+                names = ", ".join(sorted(allowed)) or "none"
+                raise APIError(400, f"'speculative.{key}' must be one of this server's names: "
+                               f"{names} (serve {flag} NAME=... adds more)",
+                               param=f"speculative.{key}", code="invalid_value")
+            spec[key] = allowed[name]
         return spec
 
     def _llama_final(self, choice: Choice, req: GenerationRequest, prompt: Prompt,

@@ -230,7 +230,7 @@ class FakeEngine:
                              f"{self.max_model_len} tokens")
         spec = params.speculative or {}
         method = spec.get("method", "none")
-        if method not in ("none", "ngram", "draft_model"):
+        if method not in ("none", "ngram", "draft_model", "eagle"):
             raise ValueError(f"unknown speculative method {method!r}")
         self.seqs[request_id] = {
             "prompt": ids, "params": params, "out": [], "text": "", "aborted": False,

@@ -71,6 +71,11 @@ def test_draft_models_only_from_the_operators_list() -> None:
     r = post({"prompt": "hi", "max_tokens": 2,
               "speculative": {"method": "eagle", "eagle_head": "/tmp/head"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "speculative.eagle_head"
+    eng = Recording()
+    r = post({"prompt": "hi", "max_tokens": 2,
+              "speculative": {"method": "eagle", "eagle_head": "mine"}}, eng,
+             eagle_heads={"mine": "/heads/mine"})
+    assert r.status_code == 200 and eng.last_spec["eagle_head"] == "/heads/mine"
 
 
 def test_only_json_bodies() -> None:
@@ -99,15 +104,15 @@ def test_local_server_answers_local_host_names_only() -> None:
 
 
 def test_cli_defaults() -> None:
-    from server.cli import allowed_hosts_from_args, build_parser, draft_models_from_args
+    from server.cli import allowed_hosts_from_args, build_parser, named
 
     args = build_parser().parse_args([])
     assert "localhost" in allowed_hosts_from_args(args)
     assert allowed_hosts_from_args(build_parser().parse_args(["--host", "0.0.0.0"])) is None
     args = build_parser().parse_args(["--draft-models", "a=x,b=/y/z"])
-    assert draft_models_from_args(args) == {"a": "x", "b": "/y/z"}
+    assert named(args.draft_models, "--draft-models") == {"a": "x", "b": "/y/z"}
     with pytest.raises(SystemExit):
-        draft_models_from_args(build_parser().parse_args(["--draft-models", "oops"]))
+        named("oops", "--eagle-heads")
 
 
 def test_bad_bodies_are_400_or_413_not_500() -> None:
