@@ -41,6 +41,9 @@ from specdec.step_results import (
 from specdec.stop_rules import TextRules
 from specdec.target_features import capture_layers, observe_prefills
 
+# The CPU's per-step token budget: a step of that many prefill tokens takes 1-3 s there.
+CPU_STEP_TOKENS = 256
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, attention_backend: str = "auto",
@@ -96,6 +99,10 @@ class LLMEngine:
                  if k in kw}
         sc_kw = {k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_waiting",
                                         "overlap", "spec_overlap") if k in kw}
+        if device == "cpu" and sc_kw.get("max_num_batched_tokens") is None:
+            # A CPU step computes about 100-200 tokens a second: a 2048-token step would hold
+            # every other request for 10-20 s (bench/head_of_line.py).
+            sc_kw["max_num_batched_tokens"] = CPU_STEP_TOKENS
         backend = kw.pop("attention_backend", "auto")
         adaptive = bool(kw.pop("adaptive_speculation", False))
         seed = kw.pop("seed", 0)

@@ -119,10 +119,24 @@ class Scheduler:
                 plan.decodes.append(ScheduledDecode(seq, nodes))
                 budget -= 1 + nodes
 
-        # 2. Running prefills, then 3. waiting requests, in chunks under the token budget.
+        # 2. Waiting requests, then 3. running prefills, in chunks under the token budget.
+        #    Admitting first keeps a short prompt from waiting behind a long one's whole
+        #    prefill (it gets its first token a step later, not a prefill later); while a
+        #    running prefill waits, admissions take at most half of what is left, so that it
+        #    still moves on however many requests arrive.
+        held = budget - budget // 2 if any(s.status is SeqStatus.RUNNING
+                                           for s in prefilling) else 0
+        budget = self._admit(budget - held, plan) + held
         for seq in prefilling:
             if seq.status is SeqStatus.RUNNING and budget > 0:
                 budget = self._schedule_prefill(seq, budget, plan)
+        if held and budget > 0:  # what the running prefills left
+            self._admit(budget, plan)
+        return plan
+
+    def _admit(self, budget: int, plan: StepPlan) -> int:
+        """Move waiting requests to running, each with a first prefill chunk, in order, while
+        the budget, the sequence limit and the KV cache allow. Returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
@@ -141,7 +155,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             budget = self._schedule_prefill(seq, budget, plan, chunk)
-        return plan
+        return budget
 
     def _largest_fit(self, seq: Sequence, chunk: int) -> int:
         free_slots = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size

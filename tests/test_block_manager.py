@@ -92,12 +92,34 @@ def test_scheduler_chunks_prefill_under_token_budget():
     plan = sch.schedule()
     assert [(p.seq.request_id, p.num_tokens) for p in plan.prefills] == [("a", 10)]
     bm.commit(a, 10)
+    # The short prompt does not wait for the long one's whole prefill: admissions take up to
+    # half of the budget while a prefill runs, and the running prefill the rest.
     plan = sch.schedule()
-    assert [(p.seq.request_id, p.num_tokens) for p in plan.prefills] == [("a", 10)]
-    bm.commit(a, 20)
+    assert [(p.seq.request_id, p.num_tokens) for p in plan.prefills] == [("b", 3), ("a", 7)]
+    assert plan.prefills[0].completes
+    bm.commit(a, 17)
+    bm.commit(b, 3)
     plan = sch.schedule()
-    assert [(p.seq.request_id, p.num_tokens) for p in plan.prefills] == [("a", 5), ("b", 3)]
-    assert all(p.completes for p in plan.prefills)
+    assert [(p.seq.request_id, p.num_tokens) for p in plan.prefills] == [("a", 8)]
+    assert plan.prefills[0].completes and [d.seq.request_id for d in plan.decodes] == ["b"]
+
+
+def test_admissions_never_starve_a_running_prefill():
+    bm = BlockManager(256, 4)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8), bm, 512)
+    long = seq("long", list(range(40)))
+    sch.add(long)
+    sch.schedule()
+    bm.commit(long, 8)
+    for i in range(10):  # a new 4-token prompt every step
+        sch.add(seq(f"s{i}", [1, 2, 3, 4]))
+        plan = sch.schedule()
+        got = {p.seq.request_id: p.num_tokens for p in plan.prefills}
+        assert got.get("long", 0) >= 4 - len(plan.decodes), got
+        for p in plan.prefills:
+            bm.commit(p.seq, p.seq.num_computed + p.num_tokens)
+        for d in plan.decodes:
+            bm.commit(d.seq, d.seq.num_computed + 1)
 
 
 def test_scheduler_shrinks_speculation_then_preempts_newest():
