@@ -175,6 +175,10 @@ class PromptBuilder:
                            f"tokens, but the prompt has {n_prompt} tokens.", param="prompt",
                            code="context_length_exceeded")
         params = req.params
+        bad = next((t for t in params.stop_token_ids if t >= len(self.tok)), None)
+        if bad is not None:
+            raise invalid("stop_token_ids", f"token id {bad} is outside the vocabulary "
+                          f"(size {len(self.tok)})")
         if prompt.fim:
             # As llama.cpp: ignore_eos spares EOS alone, not FIM's other end tokens.
             ends = self.fim_end_ids if not params.ignore_eos else self.fim_only_end_ids

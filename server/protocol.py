@@ -17,6 +17,8 @@ from drafters import check_speculative
 from specdec.sampling_params import SamplingParams
 
 MAX_N = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 UNSET_MAX_TOKENS = 1 << 30
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -139,6 +141,8 @@ def _stop(body: dict[str, Any], name: str = "stop") -> tuple[str, ...]:
         raise invalid(name, f"'{name}' must be a string or a list of strings")
     if len(v) > 16:
         raise invalid(name, f"'{name}' takes at most 16 sequences")
+    if any(len(s) > MAX_STOP_CHARS for s in v):
+        raise invalid(name, f"each '{name}' sequence is at most {MAX_STOP_CHARS} characters")
     return tuple(s for s in v if s)
 
 
@@ -177,7 +181,7 @@ def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> Sa
             max_tokens=max_tokens,
             min_tokens=_num(body, "min_tokens", 0, 0, max_tokens, integer=True),
             stop=_stop(body),
-            stop_token_ids=tuple(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids")),
+            stop_token_ids=tuple(_stop_token_ids(body)),
             ignore_eos=_bool(body, "ignore_eos"),
             seed=_num(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
             logprobs=logprobs,
@@ -185,6 +189,13 @@ def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> Sa
         )
     except ValueError as exc:  # SamplingParams' own checks, phrased by it
         raise invalid(str(exc).split(" ", 1)[0], str(exc)) from None
+
+
+def _stop_token_ids(body: dict[str, Any]) -> list[int]:
+    ids = _token_ids(body.get("stop_token_ids") or [], "stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid("stop_token_ids", f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS}")
+    return ids  # their range is checked against the vocabulary with the prompt
 
 
 def _token_ids(v: Any, param: str) -> list[int]:

@@ -155,3 +155,13 @@ def test_control_tokens_typed_in_chat_stay_text() -> None:
     q = pb.build(parse_chat({"messages": evil}))
     assert q.ids.count(start) == p.ids.count(start)  # no turn opened by the user's text
     assert pb.decode(q.ids) == q.text  # the text is all there, as text
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"stop": ["x" * 300]}, "stop"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+])
+def test_stop_bounds(extra: dict, param: str) -> None:
+    r = post({"prompt": "hi", "max_tokens": 2, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
