@@ -57,6 +57,18 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
 
 
+def stop_servers(procs: list[subprocess.Popen]) -> None:
+    """Terminate every server, then wait for each (killing one that takes over 30 s)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _stream(url: str, body: dict[str, Any], llama: bool) -> dict[str, Any]:
     """One streamed request; client-side timings and the engine's own where it gives them."""
     t0 = time.perf_counter()
@@ -161,13 +173,7 @@ def main() -> None:
                    "peak_rss_mb": _proc_kb(servers[e][0].pid, "VmHWM") / 1024}
                for e in engines}
     finally:
-        for proc, _ in {id(v[0]): v for v in servers.values()}.values():
-            proc.terminate()
-        for proc, _ in servers.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers(list({id(proc): proc for proc, _ in servers.values()}.values()))
         logs.close()
 
     summary = {e: {"decode_tok_s_median": statistics.median(r["decode_tok_s"] for r in rs),

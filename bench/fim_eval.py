@@ -41,7 +41,15 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_vs_llamacpp import PEER, REPO, _cpu_model, _peer_commit, _proc_kb, _wait_ready
+from cpu_vs_llamacpp import (
+    PEER,
+    REPO,
+    _cpu_model,
+    _peer_commit,
+    _proc_kb,
+    _wait_ready,
+    stop_servers,
+)
 
 BUILTIN_SPECS: dict[str, dict[str, Any] | None] = {
     "none": {"method": "none"}, "ngram": {"method": "ngram"},
@@ -425,14 +433,7 @@ def main() -> None:
             rss[kind] = {"rss_mb": _proc_kb(proc.pid, "VmRSS") / 1024,
                          "peak_rss_mb": _proc_kb(proc.pid, "VmHWM") / 1024}
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_servers(list(procs.values()))
         logs.close()
 
     by_id = {t.id: t for t in tasks}

@@ -28,7 +28,15 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_vs_llamacpp import PEER, REPO, _cpu_model, _peer_commit, _proc_kb, _wait_ready
+from cpu_vs_llamacpp import (
+    PEER,
+    REPO,
+    _cpu_model,
+    _peer_commit,
+    _proc_kb,
+    _wait_ready,
+    stop_servers,
+)
 
 FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
           "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
@@ -117,13 +125,7 @@ def main() -> None:
                                                                               "VmHWM")}
                for name, (proc, _) in servers.items()}
     finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-        for proc, _ in servers.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers([proc for proc, _ in servers.values()])
     summary = {}
     for name in servers:
         mine = [r for r in rows if r["engine"] == name]

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_vs_llamacpp import REPO, _cpu_model, _wait_ready
+from cpu_vs_llamacpp import REPO, _cpu_model, _wait_ready, stop_servers
 
 
 def ttft(url: str, prompt: str, out: dict[str, float], key: str) -> None:
@@ -92,8 +92,7 @@ def main() -> None:
                 trials.append(t)
                 print(f"{commit} trial {i}: {t}", flush=True)
         finally:
-            proc.terminate()
-            proc.wait(60)
+            stop_servers([proc])
         results[commit] = {
             "tree": str(root), "trials": trials,
             "short_behind_long_s_median": statistics.median(

@@ -35,9 +35,10 @@ class Option:
     hi: float | None = None
 
     def check(self, key: str, v: Any) -> None:
-        ok = isinstance(v, self.kind) and not (self.kind is not bool and isinstance(v, bool))
-        if self.kind is float and isinstance(v, int) and not isinstance(v, bool):
-            ok = True
+        if isinstance(v, bool) and self.kind is not bool:
+            ok = False  # True is an int to Python, not to a client
+        else:
+            ok = isinstance(v, (int, float) if self.kind is float else self.kind)
         if not ok:
             raise ValueError(f"speculative.{key} must be {_KIND_NAMES[self.kind]}, got "
                              f"{type(v).__name__}")
@@ -68,7 +69,8 @@ def check_speculative(spec: dict[str, Any]) -> None:
             raise ValueError(f"speculative.{key} is not an option of method {method!r} (it "
                              f"takes {', '.join(sorted(known))})")
         opt.check(key, v)
-    if spec.get("min_n", 1) > spec.get("max_n", max(3, spec.get("min_n", 1))):
+    min_n = spec.get("min_n", 1)
+    if min_n > spec.get("max_n", max(min_n, 3)):  # checked when both are given
         raise ValueError("speculative.min_n must not exceed speculative.max_n")
 
 

@@ -185,10 +185,10 @@ def _stop_type(out: Any) -> tuple[str, str]:
     return "none", ""
 
 
-def timings(out: Any, n_prompt: int, n: int, now: float | None = None) -> dict[str, Any]:
+def timings(out: Any, n_prompt: int, n: int) -> dict[str, Any]:
     arrival = getattr(out, "arrival_time", None)
     first = getattr(out, "first_token_time", None)
-    now = time.monotonic() if now is None else now
+    now = time.monotonic()
     prompt_ms = (first - arrival) * 1e3 if first is not None and arrival is not None else 0.0
     predicted_ms = (now - first) * 1e3 if first is not None else 0.0
     cached = getattr(out, "num_cached_tokens", 0) or 0

@@ -81,10 +81,10 @@ class PromptBuilder:
         if req.kind == "chat":
             ids, text = self._chat(req.messages)
             return Prompt(ids, text)
+        n_predict = req.params.max_tokens if req.max_tokens_given else 1  # room kept for it
         if req.kind == "infill":
             return self.infill(req.input_prefix, req.input_suffix, req.prompt, req.input_extra,
-                               "input_prefix", req.params.max_tokens if req.max_tokens_given
-                               else 1)
+                               "input_prefix", n_predict)
         if isinstance(req.prompt, list):
             vocab_size = len(self.tok)
             bad = next((t for t in req.prompt if t >= vocab_size), None)
@@ -93,8 +93,7 @@ class PromptBuilder:
                               f"(size {vocab_size})")
             return Prompt(list(req.prompt), self.decode(req.prompt))
         if req.suffix is not None:
-            p = self.infill(req.prompt, req.suffix, "", [], "suffix",
-                            req.params.max_tokens if req.max_tokens_given else 1)
+            p = self.infill(req.prompt, req.suffix, "", [], "suffix", n_predict)
             return dataclasses.replace(p, text=req.prompt)
         return Prompt(self.encode(req.prompt), req.prompt)
 

@@ -215,8 +215,10 @@ def process_logits(
                              torch.float32, dev)
         probs = probs.pow(inv[:, None])
         probs = probs / probs.sum(dim=-1, keepdim=True)
-    if pieces is not None and any(p.infill and not p.greedy for p in params):
-        rows = [i for i, p in enumerate(params) if p.infill and not p.greedy]
+    rows = [i for i, p in enumerate(params) if p.infill and not p.greedy] if pieces else []
+    if rows:
+        # A host algorithm over each row's candidates: on a GPU this waits for the device
+        # (sampled infill rows only; greedy rows and every other sampler stay on the device).
         host = probs[rows].cpu()
         done = [infill_filter(host[j], pieces.eos | frozenset(params[i].stop_token_ids),
                               pieces) for j, i in enumerate(rows)]

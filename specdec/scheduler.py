@@ -124,8 +124,8 @@ class Scheduler:
         #    prefill (it gets its first token a step later, not a prefill later); while a
         #    running prefill waits, admissions take at most half of what is left, so that it
         #    still moves on however many requests arrive.
-        held = budget - budget // 2 if any(s.status is SeqStatus.RUNNING
-                                           for s in prefilling) else 0
+        prefill_runs = any(s.status is SeqStatus.RUNNING for s in prefilling)
+        held = budget - budget // 2 if prefill_runs else 0
         budget = self._admit(budget - held, plan) + held
         for seq in prefilling:
             if seq.status is SeqStatus.RUNNING and budget > 0:
