@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _logits(runner, ids: list[int]) -> torch.Tensor:  # [len(ids), V] float32
-    from specdec.model_runner import Segment
+    from specdec.step_inputs import Segment
 
     bs = runner.block_size
     blocks = -(-len(ids) // bs)

@@ -110,11 +110,11 @@ def verify_cost(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Milliseconds of one target pass over q new rows after a 256-token context, and of the
     draft model's; the ratio to q = 1 is what verifying q - 1 draft tokens costs in decode
     steps. Runs last: it writes KV blocks that no request owns any more."""
-    from specdec.model_runner import Segment
+    from specdec.step_inputs import Segment
 
     out: dict[str, Any] = {}
     runners = {"target": llm.engine.runner}
-    for (method, _draft), drafter in llm.engine._drafters.items():
+    for (method, _draft), drafter in llm.engine.drafting.drafters.items():
         if method == "draft_model":
             runners["draft"] = drafter.runner
     for name, runner in runners.items():

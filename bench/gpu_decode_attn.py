@@ -2,7 +2,8 @@
 verify_kernels/decode_attention.py) against the two-launch path it replaces (rope_write_kv, then
 the general paged attention), side by side in the same run.
 
-Also programmatic dependent launch on and off (verify_kernels/pdl.py).
+Also programmatic dependent launch on and off (verify_kernels/pdl.py: the model's
+`kernels.pdl`); the kernels alone take it as SPECDEC_PDL says (off unless 1).
 
 1. Kernels alone: 32 layers' worth of decode attention (Llama-3.1-8B heads, 1k context, each
    layer on its own KV) in one CUDA graph, per layer, at several batch sizes and split counts.
@@ -25,6 +26,7 @@ import argparse
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -56,7 +58,7 @@ def graph_us(fn, reps: int = 20) -> float:
 
 
 def kernels_at(bsz: int, rows: list) -> None:
-    from specdec.attention import AttentionMetadata
+    from specdec.attention_metadata import AttentionMetadata
     from verify_kernels.decode_attention import decode_attention
     from verify_kernels.fused_ops import rope_write_kv
     from verify_kernels.paged_attention import paged_attention
@@ -77,6 +79,7 @@ def kernels_at(bsz: int, rows: list) -> None:
         torch.full((bsz,), ctx + 1, **i32), tables, slots, None,
         torch.full((bsz,), -1, device="cuda"), (1,) * bsz, (ctx,) * bsz, (-1,) * bsz, BS)
     pos = torch.full((bsz,), ctx, device="cuda")
+    pdl = gs.bench_runtime().pdl
 
     def qkv_of(i):
         x = qkv[i]
@@ -95,7 +98,7 @@ def kernels_at(bsz: int, rows: list) -> None:
         def new(i, splits=splits):
             q, k, v = qkv_of(i)
             decode_attention(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088,
-                             num_splits=splits)
+                             num_splits=splits, pdl=pdl)
 
         t_old, t_new = graph_us(old), graph_us(new)
         row = {"batch": bsz, "splits": splits, "two_launch_us": t_old, "fused_us": t_new}
@@ -103,7 +106,7 @@ def kernels_at(bsz: int, rows: list) -> None:
             row[f"fused_n{bn}_w{warps}_us"] = graph_us(
                 lambda i, splits=splits, bn=bn, warps=warps: decode_attention(
                     *qkv_of(i), pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088,
-                    num_splits=splits, block_n=bn, num_warps=warps))
+                    num_splits=splits, block_n=bn, num_warps=warps, pdl=pdl))
         rows.append(row)
         gs.log(f"b{bsz} splits {splits}: " + ", ".join(
             f"{k} {v:.2f}" for k, v in row.items() if k.endswith("_us")))
@@ -135,11 +138,16 @@ def engine_ab(out: dict, bw: float, name: str = "llama-3.1-8b-shape",
             out[f"runner_step_timeline_b1_rows{rows}"] = step_timeline(engine, rows)
         return
     res = []
-    from verify_kernels import pdl
-
+    kernels = m.kernels  # the model's fused-kernel settings, as built
+    # mode: (the fused decode kernel, programmatic dependent launch)
     modes = {"fused_pdl": (True, True), "fused": (True, False), "two_launch": (False, False)}
+
+    def set_mode(mode: str) -> None:
+        backend.fused_decode, pdl = modes[mode]
+        m.kernels = replace(kernels, pdl=pdl)  # the same tile choices: tiles stay as tuned
+
     for mode in list(modes) * 2:
-        backend.fused_decode, pdl.ENABLED = modes[mode]
+        set_mode(mode)
         runner.graphs.graphs.clear()  # recaptured with this path (tiles stay as tuned)
         runner.graphs.splits.clear()
         row: dict = {"mode": mode}
@@ -160,7 +168,7 @@ def engine_ab(out: dict, bw: float, name: str = "llama-3.1-8b-shape",
         res.append(row)
     out["engine_ab"] = res
     out["graph_splits"] = {str(k): v for k, v in runner.graphs.splits.items()}
-    backend.fused_decode, pdl.ENABLED = modes["fused_pdl"]
+    set_mode("fused_pdl")
     runner.graphs.graphs.clear()
     out["engine_timeline_b1"] = timeline(engine, prompt)
 

@@ -15,6 +15,7 @@ import json
 import platform
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -177,24 +178,25 @@ def main() -> None:
             res["decode_b1_engine_tokens_per_s"] = r
             res["decode_b1_engine_fraction_of_roofline"] = r * floor
             log(f"{name}: engine decode b1 {r:.1f} tok/s = {r * floor:.0%} of roofline")
-            # The same without overlapped decoding (specdec/overlap.py): each step read back
+            # The same without chained decoding (specdec/chaining.py): each step read back
             # before the next is launched.
-            engine.pipeline.enabled = False
+            runtime = engine.config.runtime
+            engine.use_runtime(replace(runtime, overlap=False))
             r0 = run_requests(engine, [prompt], {"method": "none"}, args.max_tokens,
                               "dec-sync").rate
-            engine.pipeline.enabled = True
+            engine.use_runtime(runtime)
             res["decode_b1_engine_no_overlap_tokens_per_s"] = r0
             log(f"{name}: engine decode b1 without overlap {r0:.1f} tok/s = "
                 f"{r0 * floor:.0%} of roofline")
             # Sampled (temperature 1, top-p 0.95, seeded), with and without overlap.
             for on in (True, False):
-                engine.pipeline.enabled = on
+                engine.use_runtime(replace(runtime, overlap=on))
                 rs = run_requests(engine, [prompt], {"method": "none"}, args.max_tokens,
                                   f"dec-sampled-{on}", temperature=1.0).rate
                 key = "sampled" if on else "sampled_no_overlap"
                 res[f"decode_b1_engine_{key}_tokens_per_s"] = rs
                 log(f"{name}: engine decode b1 {key} {rs:.1f} tok/s = {rs * floor:.0%}")
-            engine.pipeline.enabled = True
+            engine.use_runtime(runtime)
             save()
             sb = (1, 16) if mi == 0 else (1,)
             if args.spec_batches:

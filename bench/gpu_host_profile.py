@@ -19,9 +19,10 @@ def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> di
     import io
     import pstats
 
+    import specdec.cuda_graphs as cg
     import specdec.engine as E
-    import specdec.step_results as sr
     from specdec.sampling_params import SamplingParams
+    from specdec.verdict import Verdict
 
     acc: dict[str, float] = {}
     patched = []
@@ -38,10 +39,10 @@ def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> di
                 acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
         setattr(obj, name, timed)
 
-    wrap(sr, "_read", "read_back")
+    wrap(Verdict, "read", "read_back")
     # The device's idle gap: from a verdict's read-back to the next pass's replay.
     read_end = [None]
-    read, replay = sr._read, torch.cuda.CUDAGraph.replay
+    read, replay = Verdict.read, torch.cuda.CUDAGraph.replay
 
     def read_marked(*a, **kw):
         try:
@@ -55,21 +56,20 @@ def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> di
             acc[key] = acc.get(key, 0.0) + time.perf_counter() - read_end[0]
             read_end[0] = None
         return replay(self)
-    patched += [(sr, "_read", read), (torch.cuda.CUDAGraph, "replay", replay)]
-    sr._read, torch.cuda.CUDAGraph.replay = read_marked, replay_marked
-    wrap(E, "finish_step", "finish_step (incl. read_back)")
-    wrap(E, "report", "outputs (deferred)")
+    patched += [(Verdict, "read", read), (torch.cuda.CUDAGraph, "replay", replay)]
+    Verdict.read, torch.cuda.CUDAGraph.replay = read_marked, replay_marked
+    wrap(engine.committer, "commit", "commit (incl. read_back)")
+    wrap(engine.outputs, "build", "outputs (deferred)")
     wrap(engine.scheduler, "schedule", "schedule")
-    wrap(engine, "_propose", "propose")
+    wrap(engine.drafting, "propose", "propose")
     wrap(engine.runner, "execute", "execute (pack, copy, replay, logits)")
-    wrap(E, "launch_verification", "launch_verification")
-    import specdec.cuda_graphs as cg
-
+    wrap(E, "verify_step", "verify_step")
+    wrap(engine.chainer, "chain", "chain (stage, execute, device verdict)")
     wrap(cg, "pack_step", "pack_step (in execute)")
     wrap(torch.cuda.CUDAGraph, "replay", "graph.replay (in execute)")
-    # The rest of the idle gap: the segments are run - execute - launch_verification.
-    wrap(engine, "_run", "run (segments, execute, launch_verification)")
-    wrap(engine, "_choose_depths", "choose_depths")
+    # The rest of the idle gap: the segments are run - execute - verify_step.
+    wrap(engine, "_launch", "launch (segments, execute, verify_step)")
+    wrap(engine.drafting, "depths", "choose_depths")
     wrap(cg, "pick_bucket", "pick_bucket (in execute)")
     if engine.runner.graphs is not None:
         wrap(engine.runner.graphs, "_stage", "stage (pack, copy; in execute)")

@@ -12,15 +12,20 @@
 #            batch-1 cost curve under alternated settings (bench/gpu_verify_attn.py
 #            --skip-kernels);
 #   tiles:   the few-row matmul's tile candidates per layer role and the attention kernels'
-#            split, tile and warp choices, per layer in 32-layer graphs (bench/gpu_tiles.py);
+#            split, tile and warp choices, per layer in 32-layer graphs
+#            (bench/investigations/gpu_tiles.py);
 #   timeline: the engine's steady batch-1 GPU timeline per kernel on both shapes, Qwen's in
 #            OUT/qwen2 and Llama's in OUT/llama (bench/gpu_decode_attn.py --timeline-only).
-#   probe:   the open leads of the verification cost at 8 rows, per layer in 32-layer graphs:
-#            tree attention with its rows in 2 row blocks (OUT/attn), and the Qwen shape's
-#            matmuls at 2 and 8 rows with the 2-column FMA tiles (OUT/qwen).
+#   probe:   the open leads of the verification cost at 8 rows, per layer in 32-layer graphs
+#            (bench/investigations/gpu_tiles.py): tree attention with its rows in 2 row blocks
+#            (OUT/attn), and the Qwen shape's matmuls at 2 and 8 rows with the 2-column FMA
+#            tiles (OUT/qwen).
 #   parts:   the tree attention tests in bf16, what each part of a tree attention layer costs
-#            (bench/gpu_attn_parts.py), and the attention variants per layer at 1-16 rows on
-#            both head shapes, fused against the two launches (OUT/attn, OUT/attn_qwen).
+#            (bench/investigations/gpu_attn_parts.py), and the attention variants per layer at
+#            1-16 rows on both head shapes, fused against the two launches (OUT/attn,
+#            OUT/attn_qwen).
+# probe, parts and tiles run scripts of bench/investigations/ (questions since answered, kept to
+# ask them again of a changed kernel).
 # Needs nothing from the network. From the repo root:
 #   bash bench/gpu_run.sh OUT_DIR [kernels|engine|attn|verify|runner|tiles|timeline|probe|parts|all]
 set -uo pipefail
@@ -31,7 +36,8 @@ export PYTHONPATH=.
 export PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
-  python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
+  python3 -c 'import torch, triton, transformers as tf
+print(torch.__version__, triton.__version__, tf.__version__)'
   if [ "$part" = kernels ] || [ "$part" = all ]; then
     # SPECDEC_SKINNY_TUNE=0: the few-row matmul tests take the first tile candidate untimed
     # (timing every candidate of every test shape ran past 230 s on 2026-12-01).
@@ -76,23 +82,23 @@ export PYTHONUNBUFFERED=1
   if [ "$part" = probe ]; then
     SPECDEC_TEST_DEVICE=cuda SPECDEC_SKINNY_TUNE=0 timeout 120 python3 -m pytest -q \
       --noconftest -p no:cacheprovider tests/test_decode_attention.py -k tree 2>&1 | tail -3
-    SPECDEC_SKINNY_TUNE=0 timeout 170 python3 bench/gpu_tiles.py --out "$out/attn" \
+    SPECDEC_SKINNY_TUNE=0 timeout 170 python3 bench/investigations/gpu_tiles.py --out "$out/attn" \
       --part attention
-    SPECDEC_SKINNY_TUNE=0 timeout 120 python3 bench/gpu_tiles.py --out "$out/attn_qwen" \
-      --part attention --shape qwen2.5-7b-shape
-    SPECDEC_SKINNY_TUNE=0 timeout 250 python3 bench/gpu_tiles.py --out "$out/qwen" \
+    SPECDEC_SKINNY_TUNE=0 timeout 120 python3 bench/investigations/gpu_tiles.py \
+      --out "$out/attn_qwen" --part attention --shape qwen2.5-7b-shape
+    SPECDEC_SKINNY_TUNE=0 timeout 250 python3 bench/investigations/gpu_tiles.py --out "$out/qwen" \
       --part matmuls --shape qwen2.5-7b-shape --rows 2,8
   fi
   if [ "$part" = parts ]; then
     SPECDEC_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q --noconftest -p no:cacheprovider \
       tests/test_decode_attention.py -k tree 2>&1 | tail -3
-    timeout 100 python3 bench/gpu_attn_parts.py --out "$out"
-    SPECDEC_SKINNY_TUNE=0 timeout 250 python3 bench/gpu_tiles.py --out "$out/attn" \
+    timeout 100 python3 bench/investigations/gpu_attn_parts.py --out "$out"
+    SPECDEC_SKINNY_TUNE=0 timeout 250 python3 bench/investigations/gpu_tiles.py --out "$out/attn" \
       --part attention
-    SPECDEC_SKINNY_TUNE=0 timeout 150 python3 bench/gpu_tiles.py --out "$out/attn_qwen" \
-      --part attention --shape qwen2.5-7b-shape
+    SPECDEC_SKINNY_TUNE=0 timeout 150 python3 bench/investigations/gpu_tiles.py \
+      --out "$out/attn_qwen" --part attention --shape qwen2.5-7b-shape
   fi
   if [ "$part" = tiles ]; then
-    SPECDEC_SKINNY_TUNE=0 timeout 560 python3 bench/gpu_tiles.py --out "$out"
+    SPECDEC_SKINNY_TUNE=0 timeout 560 python3 bench/investigations/gpu_tiles.py --out "$out"
   fi
 } 2>&1 | tee "$out/gpu_run_${part}.log"

@@ -2,21 +2,21 @@
 them, the measured copy bandwidth, a check that the Triton backend works, the bytes a decode
 step must read, and one timed runner step over synthetic segments.
 
-Used by bench/gpu_engine.py and bench/gpu_step_profile.py.
+Used by the GPU scripts of bench/ and bench/investigations/.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-# Every benchmark run tunes its CUDA graphs afresh (choices kept on disk by an earlier run, or
-# by an earlier mode of an A/B, would skip the tuning a run measures).
-os.environ["SPECDEC_TUNING_CACHE"] = "0"
+if TYPE_CHECKING:
+    from specdec.config import RuntimeConfig
+    from verify_kernels.skinny_tiles import TileChoices
 
 SHAPES = {
     "llama-3.1-8b-shape": {
@@ -76,7 +76,27 @@ def make_model_dir(root: Path, name: str, cfg: dict | None = None) -> Path:
     return d
 
 
-def build_engine(path: Path, backend: str, num_blocks: int):
+def bench_runtime(**fields: Any) -> RuntimeConfig:
+    """The runtime switches of a benchmark (a command line): the SPECDEC_* variables, read as
+    the CLIs read them (specdec.cli_options.runtime_from_env), with `fields` on top. The tuning
+    cache is off unless `fields` turn it on: every benchmark run tunes its CUDA graphs afresh
+    (choices kept on disk by an earlier run, or by an earlier mode of an A/B, would skip the
+    tuning a run measures)."""
+    from specdec.cli_options import runtime_from_env
+
+    return runtime_from_env(**{"tuning_cache": False, **fields})
+
+
+def tile_choices() -> TileChoices:
+    """Few-row matmul tile choices of a script's own (the model holds its own in
+    `model.kernels.tiles`), timed on first use unless SPECDEC_SKINNY_TUNE=0."""
+    from verify_kernels.skinny_tiles import TileChoices
+
+    return TileChoices(tune=bench_runtime().skinny_tune)
+
+
+def build_engine(path: Path, backend: str, num_blocks: int, **runtime: Any):
+    """The engine on the model at `path` on the GPU, with `bench_runtime(**runtime)`."""
     from specdec.config import (
         CacheConfig,
         EngineConfig,
@@ -91,7 +111,7 @@ def build_engine(path: Path, backend: str, num_blocks: int):
     cfg = EngineConfig(model=mc, cache=CacheConfig(num_blocks=num_blocks,
                                                    enable_prefix_caching=False),
                        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
-                       speculative=SpeculativeConfig())
+                       speculative=SpeculativeConfig(), runtime=bench_runtime(**runtime))
     return LLMEngine(cfg, attention_backend=backend)
 
 
@@ -117,8 +137,9 @@ def copy_bandwidth() -> float:
 def check_triton() -> str:
     """'triton' if its paged attention matches the reference on this GPU, else 'torch'."""
     try:
-        from specdec.attention import AttentionMetadata, paged_attention_ref
+        from specdec.attention_metadata import AttentionMetadata
         from verify_kernels.paged_attention import paged_attention
+        from verify_kernels.reference import paged_attention_ref
 
         g = torch.Generator(device="cuda").manual_seed(0)
         kc = torch.randn(8, 16, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -161,7 +182,7 @@ def tree_parents(n: int) -> list[int]:
 def step_segments(engine, batch: int, rows: int, ctx: int):
     """`batch` sequences with `ctx` tokens of (random) KV, each verifying `rows` - 1 nodes."""
     from drafters.tree import DraftTree
-    from specdec.model_runner import Segment
+    from specdec.step_inputs import Segment
 
     bs = engine.runner.block_size
     per = -(-(ctx + rows) // bs)

@@ -1,6 +1,6 @@
 """Speculative speedup at controlled acceptance on one GPU (bench/gpu_engine.py runs it): the
 replay drafter proposes the target's own recorded output, corrupted at the rate that sets tau;
-chains run overlapped (drafted on the device, specdec/spec_overlap.py) and host-drafted, trees
+chains run overlapped (drafted on the device, specdec/chaining.py) and host-drafted, trees
 overlapped, each against plain decoding of the same batch and the ideal tau / cost; then prompt
 lookup chains drafted on the device and on the host (`lookup_cells`).
 `run_requests` also times plain decoding for the other GPU scripts.
@@ -9,6 +9,7 @@ lookup chains drafted on the device and on the host (`lookup_cells`).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,7 +42,7 @@ def run_requests(engine, prompts, spec: dict, max_tokens: int, tag: str,
     emitted = steps = 0
 
     def produced() -> int:
-        return (sum(len(s.output_token_ids) for s in engine.seqs.values())
+        return (sum(len(r.seq.output_token_ids) for r in engine.requests.values())
                 + sum(len(o.token_ids) for o in final.values()))
 
     while engine.has_unfinished():
@@ -78,15 +79,15 @@ def timed_cell(engine, prompts, spec: dict, max_tokens: int, tag: str, piped: bo
                plain: Run, want: list[list[int]], cost: float | None) -> tuple[Run, dict]:
     """One speculative run, overlapped (`piped`, where overlap is on) or drafted on the host,
     against plain decoding of the same batch and the ideal tau / cost."""
-    default = engine.spec_pipeline.enabled
-    engine.spec_pipeline.enabled = piped and engine.pipeline.enabled
-    chained = engine.spec_pipeline.chained_steps
+    default = engine.config.runtime
+    engine.use_runtime(replace(default, spec_overlap=piped))
+    chained = engine.chainer.chained_steps
     try:
         run = run_requests(engine, prompts, spec, max_tokens, tag)
     finally:
-        engine.spec_pipeline.enabled = default
+        engine.use_runtime(default)
     cell = {"tau_measured": run.tau,
-            "overlapped_steps": engine.spec_pipeline.chained_steps - chained,
+            "overlapped_steps": engine.chainer.chained_steps - chained,
             "output_equals_plain": run.outputs == want,
             "tokens_per_s": run.rate, "speedup": run.rate / plain.rate,
             "steady_tokens_per_s": run.steady_rate,
@@ -146,7 +147,7 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
 
     g = torch.Generator().manual_seed(1)
     vocab = engine.runner.vocab_size
-    default_spec_overlap = engine.spec_pipeline.enabled
+    default_runtime = engine.config.runtime
     out = {}
     for batch in batches:
         low = min(100, vocab // 2)
@@ -177,7 +178,7 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
             run_requests(engine, prompts, {**base, "corrupt_rate": replay.rate_for_tau(
                 taus[0], k)}, max_tokens, f"warm{batch}{shape}")
             # Chains run twice: drafted on the device with each step launched before the last
-            # one's verdict is read back (specdec/spec_overlap.py, the engine's default with
+            # one's verdict is read back (specdec/chaining.py, the engine's default with
             # overlap on), then drafted on the host between steps, as a host drafter (n-gram)
             # is ("_host" cells).
             modes = ((shape, True), (f"{shape}_host", False)) if branches == 1 else (
@@ -200,7 +201,7 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
             base = {"method": "replay", "num_speculative_tokens": k, "branches": 1,
                     "corrupt_rate": replay.rate_for_tau(3, k)}
             # Of host-drafted steps (the overlapped ones leave the host no gap to profile).
-            engine.spec_pipeline.enabled = False
+            engine.use_runtime(replace(default_runtime, spec_overlap=False))
             try:  # a diagnostic: its failure must not cost the run's measurements
                 res[f"host_profile_b{batch}"] = host_profile(
                     engine, prompts, base, max_tokens, profile_dir / f"host_profile_b{batch}.txt")
@@ -208,5 +209,5 @@ def speculative(engine, res: dict, batches, taus, k: int, tree_branches: int,
                 log(f"host profile failed: {e!r}")
                 res[f"host_profile_b{batch}"] = {"error": repr(e)}
             finally:
-                engine.spec_pipeline.enabled = default_spec_overlap
+                engine.use_runtime(default_runtime)
     res["speculative"] = out

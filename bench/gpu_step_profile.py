@@ -30,8 +30,8 @@ def linear_bench(out: dict) -> None:
     from triton.testing import do_bench
 
     from verify_kernels.skinny_gemm import skinny_linear
-    from verify_kernels.skinny_tiles import chosen_configs
 
+    tiles = gs.tile_choices()  # kept across calls: each shape is tuned once
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
               "down": (4096, 14336), "lm_head": (128256, 4096)}
     rows = []
@@ -40,8 +40,9 @@ def linear_bench(out: dict) -> None:
         for m in (1, 4, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_cublas = do_bench(lambda x=x, w=w: F.linear(x, w), warmup=10, rep=50)
-            skinny_linear(x, w)  # tunes
-            t_ours = do_bench(lambda x=x, w=w: skinny_linear(x, w), warmup=10, rep=50)
+            skinny_linear(x, w, tiles=tiles)  # tunes
+            t_ours = do_bench(lambda x=x, w=w: skinny_linear(x, w, tiles=tiles), warmup=10,
+                              rep=50)
             gb = n * k * 2 / 1e9
             rows.append({"layer": name, "n": n, "k": k, "rows": m,
                          "cublas_us": t_cublas * 1e3, "skinny_us": t_ours * 1e3,
@@ -49,7 +50,7 @@ def linear_bench(out: dict) -> None:
             gs.log(f"{name} m={m}: cuBLAS {t_cublas * 1e3:.1f} us ({gb / t_cublas:.2f} TB/s), "
                    f"skinny {t_ours * 1e3:.1f} us ({gb / t_ours:.2f} TB/s)")
     out["linear"] = rows
-    out["skinny_configs"] = {str(k): v for k, v in chosen_configs().items()}
+    out["skinny_configs"] = {str(k): v for k, v in tiles.chosen_configs().items()}
 
 
 def family(name: str) -> str:
@@ -97,10 +98,9 @@ def graphed(engine, rows: int) -> float:
 
 
 def step_profile(out: dict) -> None:
-    from verify_kernels import skinny_tiles
-
     tmp = Path(tempfile.mkdtemp())
     engine = gs.build_engine(gs.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton", 600)
+    tiles = engine.runner.model.kernels.tiles  # the model's matmul tile choices
     engine.runner.kv.normal_()
     segs = gs.step_segments(engine, 1, 1, gs.CTX)
     kernel_profile(engine, segs, out, "")
@@ -112,12 +112,14 @@ def step_profile(out: dict) -> None:
         gs.log(f"graphed step, {rows} rows (runner.execute): "
                f"{out[f'graph_step_ms_rows_{rows}']:.3f} ms")
     out["graph_tuning"] = {str(k): v for k, v in gr.tuned.items()}
-    out["skinny_configs"] = {str(k): v for k, v in skinny_tiles.chosen_configs().items()}
+    # The model's tiles beside those of the per-layer comparison (its own choices).
+    out["skinny_configs"] = {**out.get("skinny_configs", {}),
+                             **{str(k): v for k, v in tiles.chosen_configs().items()}}
     gs.log(f"in-graph tile tuning: {gr.tuned}")
     # How much the tile choice moves from one tuning to the next: forget every choice, tune
     # again (alone, then in the graph), time again.
     for trial in range(1):
-        skinny_tiles.forget()
+        tiles.forget()
         gr.tuned_keys.clear()
         for rows in (1, 8):
             out.setdefault(f"retuned_graph_step_ms_rows_{rows}", []).append(graphed(engine, rows))

@@ -7,7 +7,8 @@ two-launch path it replaces (rope_write_kv, then the general paged attention), s
    layer, over split counts and warp counts.
 2. The runner (Llama-3.1-8B shape, random weights, bf16): the batch-1 verification cost curve
    (time of a Q-row step over a 1-row decode step) under alternated settings (RUNNER_MODES:
-   module switches of the kernels, set before each mode's graphs are captured); then
+   module switches of the kernels or fields of the model's FusedKernels, set before each
+   mode's graphs are captured); then
    the GPU time of each kernel (and of each layer matmul) in 1-, 2-, 4- and 8-row steps under
    the last setting (torch.profiler).
 
@@ -37,7 +38,7 @@ def tree_case(bsz: int, rows: int, hq: int = HQ, hkv: int = HKV):
     mask, each over a 1k context, with `hq` query and `hkv` KV heads (Llama-3.1-8B's unless
     given)."""
     from drafters.tree import ancestor_mask_of
-    from specdec.attention import AttentionMetadata
+    from specdec.attention_metadata import AttentionMetadata
 
     ctx = gs.CTX
     inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
@@ -118,7 +119,9 @@ def kernel_times(engine, segs, steps: int = 20) -> dict:
                         for k, (us, n) in sorted(by.items(), key=lambda kv: -kv[1][0])}}
 
 
-# name: {(module, attribute): value} set before the mode's graphs are captured.
+# name: {(module, attribute): value} set before the mode's graphs are captured: an attribute
+# of verify_kernels.<module>, or with module "kernels" a field of the model's FusedKernels
+# (specdec/models/llama.py), e.g. {("kernels", "pdl"): True}.
 # Earlier runs: gpu_verify_attn_h200_20261130_emit.json (norm hand-off from 1 or 2 rows, tree
 # kernel up to 4 or 8 rows), _swap.json (swapped-dot tiles), _split.json (split-K tiles),
 # _xnative.json (dot tiles reading x in bf16 or through float32: the same);
@@ -136,18 +139,21 @@ def runner_ab(out: dict) -> None:
     measured no faster: gpu_verify_attn_h200_20261130_b.json; two launches instead of the tree
     kernel slower at 2 and 4 rows: _c.json.)"""
     import gc
-
-    from verify_kernels import skinny_tiles
+    from dataclasses import replace
 
     tmp = Path(tempfile.mkdtemp())
     engine = gs.build_engine(gs.make_model_dir(tmp, "llama-3.1-8b-shape"), "triton",
                              num_blocks=2600)
     engine.runner.kv.normal_()
     runner = engine.runner
+    model = runner.model
     res = []
     for mode in list(RUNNER_MODES) * 2:
         for (module, attr), value in RUNNER_MODES[mode].items():
-            setattr(importlib.import_module(f"verify_kernels.{module}"), attr, value)
+            if module == "kernels":  # the same tile choices, with the field replaced
+                model.kernels = replace(model.kernels, **{attr: value})
+            else:
+                setattr(importlib.import_module(f"verify_kernels.{module}"), attr, value)
         runner.graphs.graphs.clear()  # recaptured with this path
         runner.graphs.splits.clear()
         torch.cuda.synchronize()
@@ -164,7 +170,8 @@ def runner_ab(out: dict) -> None:
         gs.log(json.dumps(row))
         res.append(row)
     out["runner_ab_b1"] = res
-    out["skinny_configs_last_mode"] = {str(k): v for k, v in skinny_tiles.chosen_configs().items()}
+    out["skinny_configs_last_mode"] = {str(k): v
+                                       for k, v in model.kernels.tiles.chosen_configs().items()}
     out["kernel_times_b1"] = {
         str(n): kernel_times(engine, gs.step_segments(engine, 1, n, gs.CTX))
         for n in (1, 2, 4, 8)}

@@ -51,16 +51,15 @@ def main() -> None:
     from specdec import LLM, SamplingParams
 
     path = make_model_dir(Path(tempfile.mkdtemp()), "tiny", TINY)
-    llm = LLM(model=str(path), speculative={"method": "none"}, max_num_seqs=16,
-              load_format="dummy")
-    eng = llm.engine
+    # One engine per overlap setting (RuntimeConfig.overlap), each with its own timers.
+    llms = {on: LLM(model=str(path), speculative={"method": "none"}, max_num_seqs=16,
+                    load_format="dummy", overlap=on) for on in (False, True)}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 512, (args.prompt_tokens,), generator=g).tolist()
                for _ in range(16)]
     greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
-    for p, o in zip(prompts, llm.generate(prompts, greedy)):
+    for p, o in zip(prompts, llms[False].generate(prompts, greedy)):
         replay.record(p, o.token_ids)
-    import specdec.engine as engine_module
 
     forward, deferred = [0.0], [0.0]
 
@@ -72,12 +71,13 @@ def main() -> None:
             return out
         return timed
 
-    eng.runner.execute = timer(eng.runner.execute, forward)
-    engine_module.report = timer(engine_module.report, deferred)
+    for llm in llms.values():
+        llm.engine.runner.execute = timer(llm.engine.runner.execute, forward)
+        llm.engine.outputs.build = timer(llm.engine.outputs.build, deferred)
 
     def host_ms(spec: dict, overlap: bool) -> tuple[float, float]:
         """(host ms per step, of which serial with the device)."""
-        eng.pipeline.enabled = overlap
+        eng = llms[overlap].engine
         params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True, speculative=spec)
         for i, p in enumerate(prompts):
             eng.add_request(f"{time.monotonic()}-{i}", p, params)

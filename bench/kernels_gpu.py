@@ -30,10 +30,12 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from drafters.tree import DraftTree
-from specdec.attention import AttentionMetadata
-from specdec.verifier import verify_tree
-from verify_kernels import accept_tree, choose_num_splits, paged_attention
+from specdec.attention_metadata import AttentionMetadata
+from specdec.cli_options import runtime_from_env
+from verify_kernels.acceptance import accept_tree
 from verify_kernels.backend import TritonAttentionBackend
+from verify_kernels.paged_attention import choose_num_splits, paged_attention
+from verify_kernels.reference import verify_tree
 
 HQ, HKV, D, BS = 32, 8, 128, 16  # a Llama-3-8B-like layer
 DEV = torch.device("cuda")
@@ -150,7 +152,7 @@ def fused_step(q, k_cache, v_cache, meta: AttentionMetadata, ctxs: list[int],
     """The engine's fused call for the step: rotary on q and the new k, the new K/V written by
     slot, attention over the cache and the step's own rows (`num_splits`: None for
     `choose_num_splits`'s; `tile`: decode attention's (block_n, num_warps), None for its
-    default)."""
+    default), the decode kernel with programmatic dependent launch where SPECDEC_PDL=1."""
     t = sum(qlens)
     k = torch.randn(t, HKV, D, device=DEV, dtype=DT)
     v = torch.randn(t, HKV, D, device=DEV, dtype=DT)
@@ -163,13 +165,15 @@ def fused_step(q, k_cache, v_cache, meta: AttentionMetadata, ctxs: list[int],
     scale = D ** -0.5
     splits = num_splits or choose_num_splits(meta, HQ, HKV, DEV)
     rope = BACKEND.step_rope(meta, positions, inv_freq, 1.0, HQ // HKV)
+    pdl = runtime_from_env().pdl
     if tile is not None:
         from verify_kernels.decode_attention import decode_attention
 
         return lambda: decode_attention(q, k, v, positions, inv_freq, 1.0, k_cache, v_cache,
-                                        meta, scale, splits, block_n=tile[0], num_warps=tile[1])
+                                        meta, scale, splits, block_n=tile[0], num_warps=tile[1],
+                                        pdl=pdl)
     return lambda: BACKEND.decode(q, k, v, positions, inv_freq, 1.0, k_cache, v_cache, meta,
-                                  scale, splits, rope=rope)
+                                  scale, splits, rope=rope, pdl=pdl)
 
 
 def acceptance_case(bsz: int, nodes: int, vocab: int, g: torch.Generator) -> dict:

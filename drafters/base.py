@@ -77,14 +77,12 @@ def check_speculative(spec: dict[str, Any]) -> None:
 class Drafter(ABC):
     """Proposes draft trees; learns afterwards what the target accepted.
 
-    Capabilities are fields: `needs_hidden_states` (consumes target hidden states),
-    `provides_probs` (its nodes carry the distribution they were drawn from). `options`: the
-    per-request options it reads (`check_speculative`)."""
+    Capabilities are fields: `needs_hidden_states` (consumes target hidden states).
+    `options`: the per-request options it reads (`check_speculative`)."""
 
     name: ClassVar[str]
     options: ClassVar[dict[str, Option]] = {}
     needs_hidden_states: ClassVar[bool] = False
-    provides_probs: ClassVar[bool] = False
     # Tokens the last proposal fed before its first draft (a draft model catching up after
     # steps without it); the speculation controller does not time such proposals.
     last_catch_up: int = 1
@@ -116,7 +114,7 @@ class Drafter(ABC):
 
     def has_position_table(self, options: dict[str, Any]) -> bool:
         """Whether, with these settings, the drafter's trees depend on positions alone
-        (`position_table`), so steps can be drafted on the device (specdec/spec_overlap.py)."""
+        (`position_table`), so steps can be drafted on the device (specdec/chaining.py)."""
         return False
 
     def has_device_lookup(self, options: dict[str, Any]) -> bool:

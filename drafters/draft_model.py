@@ -17,11 +17,12 @@ import torch
 from drafters.base import Drafter, DraftRequest, Option, register
 from drafters.tree import DraftTree
 from specdec.block_manager import BlockManager
-from specdec.config import CacheConfig, ModelConfig, resolve_model_config
-from specdec.model_runner import ModelRunner, Segment
+from specdec.config import CacheConfig, ModelConfig, RuntimeConfig, resolve_model_config
+from specdec.model_runner import ModelRunner
 from specdec.sampler import host_to_device, process_logits
 from specdec.sequence import Sequence
-from specdec.verifier import sample_inverse_cdf
+from specdec.step_inputs import Segment
+from verify_kernels.reference import sample_inverse_cdf
 
 
 @register
@@ -30,10 +31,10 @@ class DraftModelDrafter(Drafter):
 
     name = "draft_model"
     options = {"draft_model": Option(str), "branches": Option(int, 1, 8)}
-    provides_probs = True
 
     def __init__(self, draft_model: str, target: ModelConfig, cache: CacheConfig,
-                 target_vocab: dict[str, int] | None = None, **_: Any) -> None:
+                 target_vocab: dict[str, int] | None = None,
+                 runtime: RuntimeConfig | None = None, **_: Any) -> None:
         # Where the target runs quantized (the CPU), the draft runs in 4 bits: its guesses need
         # not be exact (the target verifies them), only cheap. Q5_0 -> 4 bits costs little
         # acceptance and 40% of the draft's bytes (bench/results/cpu_draft_*.json).
@@ -55,7 +56,7 @@ class DraftModelDrafter(Drafter):
         draft_cache = replace(cache, num_blocks=None, enable_prefix_caching=False,
                               cpu_kv_bytes=cache.cpu_kv_bytes // 2,
                               gpu_memory_utilization=cache.gpu_memory_utilization * 0.25)
-        self.runner = ModelRunner(mc, draft_cache)
+        self.runner = ModelRunner(mc, draft_cache, runtime=runtime)
         if mc.quantization != "none" and DRAFT_VOCAB < mc.vocab_size:
             self.runner.model.lm_head = ReducedHead(
                 self.runner.model.lm_head, draft_vocab_ids(special_token_ids(mc.path), DRAFT_VOCAB))

@@ -66,7 +66,6 @@ class EagleDrafter(Drafter):
     options = {"top_k": Option(int, 1, 16), "max_nodes": Option(int, 1, 128),
                "eagle_head": Option(str)}
     needs_hidden_states = True
-    provides_probs = True
 
     def __init__(self, target: ModelConfig, target_model: torch.nn.Module,
                  options: dict[str, Any] | None = None, **_: Any) -> None:

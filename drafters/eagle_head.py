@@ -138,10 +138,6 @@ class EagleHead(nn.Module):
             self.fc = nn.Linear(2 * hidden, hidden, bias=bool(hf.get("bias", True)))
             self.layers = nn.ModuleList([HeadLayer(hf, False, self.rotary)])
 
-    @property
-    def layer(self) -> HeadLayer:
-        return self.midlayer if self.eagle3 else self.layers[0]
-
     def capture_layers(self, target_layers: int) -> tuple[int, ...]:
         """Target layers whose residual streams EAGLE-3 fuses (after layers 1, L/2 - 1, L - 4,
         the published choice), or the ones its config names."""

@@ -3,7 +3,7 @@
 With `on_device` (chains only), every proposal is a chain of exactly k tokens
 (`lookup_chain`), the same function of a sequence's tokens that `specdec.device_drafts.lookup`
 computes on the device: steps can then be drafted there and launched before the step before is
-read back (specdec/spec_overlap.py). The continuation is repeated with the period the match
+read back (specdec/chaining.py). The continuation is repeated with the period the match
 implies where it is shorter than k, and the last token fills the chain where nothing matches,
 so the target verifies k + 1 rows every step, matched or not: worth it where lookups hit often
 (code editing, quoting), not on open-ended chat."""

@@ -17,7 +17,7 @@ in turn carries the true token with probability 1 - r (a second guess, as tree d
 overrides the recorded registry; `seed` (default 0).
 
 Proposals also come as a position table (`position_table`), for steps drafted on the device
-(specdec/spec_overlap.py): each position's level (the chain token, then its siblings) is drawn
+(specdec/chaining.py): each position's level (the chain token, then its siblings) is drawn
 once, in advance, as a step would draw it. The acceptance is the same in distribution: where
 the script is missed, the target's own token replaces the guess and the next step starts past
 that position, so each position is judged once, whether its draw was made in advance or at the
@@ -97,8 +97,6 @@ class ReplayDrafter(Drafter):
         self._vocab = min(sizes) if sizes else None
         self._cursors: dict[str, _Cursor] = {}
         self._tables: dict[str, torch.Tensor] = {}  # per request: its position table
-        self.proposed = 0  # nodes proposed
-        self.off_script = 0  # steps whose history had left the script (random proposals)
 
     def max_nodes(self, k: int, options: dict[str, Any]) -> int:
         return k * max(1, int(options.get("branches", 1)))
@@ -174,9 +172,7 @@ class ReplayDrafter(Drafter):
                 new = r.tokens[cur.prompt_len + cur.checked:]
                 cur.off = new != cur.future[cur.checked:done]
                 cur.checked = done
-            if cur.off:
-                self.off_script += 1
-            else:
+            if not cur.off:
                 truth = cur.future[done:done + r.k]
         rate = float(r.options.get("corrupt_rate", 0.0))
         branches = max(1, int(r.options.get("branches", 1)))
@@ -187,7 +183,6 @@ class ReplayDrafter(Drafter):
             for d in range(min(r.k, r.max_nodes)):
                 t = truth[d] if d < nt else None
                 tokens.append(other(t, rng, ()) if t is None or rand() < rate else t)
-            self.proposed += len(tokens)
             return tokens, list(range(-1, len(tokens) - 1))
         tokens: list[int] = []
         parents: list[int] = []
@@ -212,7 +207,6 @@ class ReplayDrafter(Drafter):
             tokens += level
             parents += [chain_parent] * len(level)
             chain_parent = here
-        self.proposed += len(tokens)
         return tokens, parents
 
     def _other(self, t: int | None, rng: random.Random, avoid) -> int:

@@ -148,15 +148,9 @@ def _row_shape(parents: tuple[int, ...]) -> RowShape:
                     tuple(range(1 + len(parents))), max(depths, default=0))
 
 
-def depths_of(parents: Sequence[int]) -> tuple[int, ...]:
-    """Depth of each node of one sequence's tree (1 for the root's children), from its host
-    parent list (parents come before their children, which this checks). Cached by shape, like
-    the ancestor masks."""
-    return _depths(tuple(parents))
-
-
 @functools.lru_cache(maxsize=4096)
 def _depths(parents: tuple[int, ...]) -> tuple[int, ...]:
+    """Depth of each node (1 for the root's children); parents must come before children."""
     depths: list[int] = []
     for i, p in enumerate(parents):
         if not -1 <= p < i:

@@ -118,12 +118,16 @@ def _parse_value(text: str) -> Any:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = {"model": args.model, "speculative": speculative_from_args(args),
-                          "adaptive_speculation": not args.no_adaptive_speculation}
-    if args.no_overlap:
-        kw["overlap"] = False
+    """LLMEngine.from_args keywords; the runtime switches from the flags and the SPECDEC_*
+    environment variables (specdec.cli_options.runtime_from_env)."""
+    from specdec.cli_options import runtime_from_env
+
+    flags = {"overlap": False} if args.no_overlap else {}
     if args.no_spec_overlap:
-        kw["spec_overlap"] = False
+        flags["spec_overlap"] = False
+    kw: dict[str, Any] = {"model": args.model, "speculative": speculative_from_args(args),
+                          "adaptive_speculation": not args.no_adaptive_speculation,
+                          "runtime": runtime_from_env(**flags)}
     kw["quantization"], kw["cpu_kernel"] = args.quantization, args.cpu_kernel
     for name in ("dtype", "device", "max_num_seqs", "max_model_len"):
         if getattr(args, name) is not None:
@@ -236,6 +240,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     named(args.draft_models, "--draft-models")  # a malformed list fails here, before loading
     named(args.eagle_heads, "--eagle-heads")
+    engine_kwargs(args)  # so do a malformed --engine-arg and SPECDEC_* variable
     # The engine thread gives up the GIL in every kernel call and must win it back from the
     # event loop's thread; a shorter switch interval bounds that wait (default 5 ms).
     sys.setswitchinterval(0.0005)

@@ -23,12 +23,12 @@ from typing import Any
 from server.protocol import (
     UNSET_MAX_TOKENS,
     GenerationRequest,
-    _bool,
-    _num,
-    _speculative,
-    _str,
-    _token_ids,
     invalid,
+    read_bool,
+    read_num,
+    read_speculative,
+    read_str,
+    read_token_ids,
 )
 from specdec.sampling_params import SamplingParams
 
@@ -71,15 +71,15 @@ def _samplers(body: dict[str, Any]) -> tuple[str, ...]:
 
 def _sampling(body: dict[str, Any], n_predict: int) -> tuple[SamplingParams, LlamaFields]:
     samplers = _samplers(body)
-    n_probs = _num(body, "n_probs", 0, 0, 20, integer=True)
-    t_predict = _num(body, "t_max_predict_ms", -1, None, None)
-    _num(body, "t_max_prompt_ms", -1, None, None)  # checked, not acted on (see above)
-    _num(body, "id_slot", -1, -1, None, integer=True)
+    n_probs = read_num(body, "n_probs", 0, 0, 20, integer=True)
+    t_predict = read_num(body, "t_max_predict_ms", -1, None, None)
+    read_num(body, "t_max_prompt_ms", -1, None, None)  # checked, not acted on (see above)
+    read_num(body, "id_slot", -1, -1, None, integer=True)
     fields = body.get("response_fields")
     if fields is not None and (not isinstance(fields, list)
                                or not all(isinstance(f, str) for f in fields)):
         raise invalid("response_fields", "'response_fields' must be a list of strings")
-    seed = _num(body, "seed", None, -1, 2**64 - 1, integer=True)
+    seed = read_num(body, "seed", None, -1, 2**64 - 1, integer=True)
     if seed in (-1, 0xFFFFFFFF):
         seed = None  # llama.cpp's "random"
     stop = body.get("stop")
@@ -88,12 +88,12 @@ def _sampling(body: dict[str, Any], n_predict: int) -> tuple[SamplingParams, Lla
         raise invalid("stop", "'stop' must be a list of strings")
     # A sampler missing from the list is off; temperature missing samples at 1, as llama.cpp's
     # chain then has no temperature step.
-    temp = _num(body, "temperature", DEFAULTS["temperature"], 0.0, 2.0) \
+    temp = read_num(body, "temperature", DEFAULTS["temperature"], 0.0, 2.0) \
         if "temperature" in samplers else 1.0
-    top_k = _num(body, "top_k", DEFAULTS["top_k"], -1, None, integer=True) \
+    top_k = read_num(body, "top_k", DEFAULTS["top_k"], -1, None, integer=True) \
         if "top_k" in samplers else -1
-    top_p = _num(body, "top_p", DEFAULTS["top_p"], 0.0, 1.0) if "top_p" in samplers else 1.0
-    min_p = _num(body, "min_p", DEFAULTS["min_p"], 0.0, 1.0) if "min_p" in samplers else 0.0
+    top_p = read_num(body, "top_p", DEFAULTS["top_p"], 0.0, 1.0) if "top_p" in samplers else 1.0
+    min_p = read_num(body, "min_p", DEFAULTS["min_p"], 0.0, 1.0) if "min_p" in samplers else 0.0
     pen = "penalties" in samplers
     filters = [samplers.index(s) for s in ("top_k", "top_p", "min_p") if s in samplers]
     temperature_last = "temperature" in samplers and bool(filters) and \
@@ -103,35 +103,35 @@ def _sampling(body: dict[str, Any], n_predict: int) -> tuple[SamplingParams, Lla
         params = SamplingParams(
             temperature=temp, top_k=-1 if top_k == 0 else top_k, top_p=top_p or 1e-6,
             min_p=min_p, temperature_last=temperature_last, infill="infill" in samplers,
-            repetition_penalty=(_num(body, "repeat_penalty", 1.0, 0.0, 10.0) or 1.0)
+            repetition_penalty=(read_num(body, "repeat_penalty", 1.0, 0.0, 10.0) or 1.0)
             if pen else 1.0,
-            presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0) if pen else 0.0,
-            frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0) if pen else 0.0,
+            presence_penalty=read_num(body, "presence_penalty", 0.0, -2.0, 2.0) if pen else 0.0,
+            frequency_penalty=read_num(body, "frequency_penalty", 0.0, -2.0, 2.0) if pen else 0.0,
             max_tokens=max_tokens, stop=tuple(s for s in (stop or []) if s),
-            ignore_eos=_bool(body, "ignore_eos"), seed=seed,
+            ignore_eos=read_bool(body, "ignore_eos"), seed=seed,
             logprobs=n_probs or None,
-            n_indent=_num(body, "n_indent", 0, 0, None, integer=True),
+            n_indent=read_num(body, "n_indent", 0, 0, None, integer=True),
             max_predict_ms=float(t_predict) if t_predict > 0 else None,
-            cache_prompt=_bool(body, "cache_prompt", True),
-            speculative=_speculative(body))
+            cache_prompt=read_bool(body, "cache_prompt", True),
+            speculative=read_speculative(body))
     except ValueError as exc:
         raise invalid(str(exc).split(" ", 1)[0], str(exc)) from None
     return params, LlamaFields(
         samplers=samplers, response_fields=tuple(fields or ()),
-        return_tokens=_bool(body, "return_tokens"), n_probs=n_probs, n_predict=n_predict,
+        return_tokens=read_bool(body, "return_tokens"), n_probs=n_probs, n_predict=n_predict,
         extra={"n_indent": params.n_indent, "t_max_predict_ms": t_predict})
 
 
 def _n_predict(body: dict[str, Any]) -> int:
     key = "n_predict" if body.get("n_predict") is not None else "max_tokens"
-    return _num(body, key, -1, -1, None, integer=True)
+    return read_num(body, key, -1, -1, None, integer=True)
 
 
 def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     """llama.cpp's /completion: `prompt` as a string or token ids."""
     prompt = body.get("prompt")
     if isinstance(prompt, list):
-        prompt = _token_ids(prompt, "prompt")
+        prompt = read_token_ids(prompt, "prompt")
     elif not isinstance(prompt, str):
         raise invalid("prompt", "'prompt' must be a string or a list of token ids")
     if not prompt:
@@ -140,7 +140,7 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     params, fields_ = _sampling(body, n_predict)
     return GenerationRequest(
         kind="llama_completion", model=None, params=params, max_tokens_given=n_predict >= 0,
-        stream=_bool(body, "stream"), prompt=prompt, llama=fields_)
+        stream=read_bool(body, "stream"), prompt=prompt, llama=fields_)
 
 
 def parse_infill(body: dict[str, Any]) -> GenerationRequest:
@@ -163,9 +163,9 @@ def parse_infill(body: dict[str, Any]) -> GenerationRequest:
     params, fields_ = _sampling(body, n_predict)
     return GenerationRequest(
         kind="infill", model=None, params=params, max_tokens_given=n_predict >= 0,
-        stream=_bool(body, "stream"), prompt=_str(body, "prompt", "") or "",
-        input_prefix=_str(body, "input_prefix", "") or "",
-        input_suffix=_str(body, "input_suffix", "") or "", input_extra=chunks, llama=fields_)
+        stream=read_bool(body, "stream"), prompt=read_str(body, "prompt", "") or "",
+        input_prefix=read_str(body, "input_prefix", "") or "",
+        input_suffix=read_str(body, "input_suffix", "") or "", input_extra=chunks, llama=fields_)
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -216,14 +216,14 @@ def generation_settings(params: SamplingParams, f: LlamaFields, n_ctx: int,
 
 def probabilities(pb: Any, entries: list[Any]) -> list[dict[str, Any]]:
     """llama.cpp's `completion_probabilities`."""
-    from server.responses import _entry
+    from server.responses import logprob_entry
 
     def item(t: int, lp: float) -> dict[str, Any]:
         text = pb.token_text(t)
         return {"id": t, "token": text, "bytes": list(text.encode()), "logprob": lp}
 
     return [{**item(t, lp), "top_logprobs": [item(k, v) for k, v in top.items()]}
-            for t, lp, top in map(_entry, entries)]
+            for t, lp, top in map(logprob_entry, entries)]
 
 
 def select_fields(body: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:

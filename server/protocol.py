@@ -94,9 +94,9 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 # ---- field readers ------------------------------------------------------------------------
 
-def _num(body: dict[str, Any], name: str, default: float | None, lo: float | None = None,
-         hi: float | None = None, *, integer: bool = False,
-         alias: str | None = None) -> Any:
+def read_num(body: dict[str, Any], name: str, default: float | None,
+             lo: float | None = None, hi: float | None = None, *, integer: bool = False,
+             alias: str | None = None) -> Any:
     key = name if name in body or alias is None else alias
     v = body.get(key)
     if v is None:
@@ -113,7 +113,7 @@ def _num(body: dict[str, Any], name: str, default: float | None, lo: float | Non
     return v
 
 
-def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+def read_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
     v = body.get(name)
     if v is None:
         return default
@@ -122,7 +122,7 @@ def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
     return v
 
 
-def _str(body: dict[str, Any], name: str, default: str | None = None) -> str | None:
+def read_str(body: dict[str, Any], name: str, default: str | None = None) -> str | None:
     v = body.get(name)
     if v is None:
         return default
@@ -146,7 +146,7 @@ def _stop(body: dict[str, Any], name: str = "stop") -> tuple[str, ...]:
     return tuple(s for s in v if s)
 
 
-def _speculative(body: dict[str, Any]) -> dict[str, Any] | None:
+def read_speculative(body: dict[str, Any]) -> dict[str, Any] | None:
     """The per-request speculation, checked in full here (method, keys, types, bounds), so a
     bad option is a 400 before admission and never fails a step shared with other requests.
     Which draft models and heads a request may name is the server's to say (server/serving.py).
@@ -167,38 +167,38 @@ def _speculative(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
-    top_k = _num(body, "top_k", -1, -1, None, integer=True)
+    top_k = read_num(body, "top_k", -1, -1, None, integer=True)
     try:
         return SamplingParams(
-            temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_num(body, "top_p", 1.0, 0.0, 1.0) or 1e-6,
+            temperature=read_num(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=read_num(body, "top_p", 1.0, 0.0, 1.0) or 1e-6,
             top_k=-1 if top_k == 0 else top_k,
-            min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
-            presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
-            frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            repetition_penalty=_num(body, "repetition_penalty", 1.0, 0.0, 10.0,
-                                    alias="repeat_penalty") or 1.0,
+            min_p=read_num(body, "min_p", 0.0, 0.0, 1.0),
+            presence_penalty=read_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=read_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=read_num(body, "repetition_penalty", 1.0, 0.0, 10.0,
+                                        alias="repeat_penalty") or 1.0,
             max_tokens=max_tokens,
-            min_tokens=_num(body, "min_tokens", 0, 0, max_tokens, integer=True),
+            min_tokens=read_num(body, "min_tokens", 0, 0, max_tokens, integer=True),
             stop=_stop(body),
             stop_token_ids=tuple(_stop_token_ids(body)),
-            ignore_eos=_bool(body, "ignore_eos"),
-            seed=_num(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
+            ignore_eos=read_bool(body, "ignore_eos"),
+            seed=read_num(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
             logprobs=logprobs,
-            speculative=_speculative(body),
+            speculative=read_speculative(body),
         )
     except ValueError as exc:  # SamplingParams' own checks, phrased by it
         raise invalid(str(exc).split(" ", 1)[0], str(exc)) from None
 
 
 def _stop_token_ids(body: dict[str, Any]) -> list[int]:
-    ids = _token_ids(body.get("stop_token_ids") or [], "stop_token_ids")
+    ids = read_token_ids(body.get("stop_token_ids") or [], "stop_token_ids")
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise invalid("stop_token_ids", f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS}")
     return ids  # their range is checked against the vocabulary with the prompt
 
 
-def _token_ids(v: Any, param: str) -> list[int]:
+def read_token_ids(v: Any, param: str) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                           and t >= 0 for t in v):
         raise invalid(param, f"'{param}' must be a list of non-negative token ids")
@@ -209,18 +209,18 @@ def _max_tokens(body: dict[str, Any], default: int | None,
                 names: tuple[str, ...] = ("max_tokens",)) -> tuple[int, bool]:
     for name in names:
         if body.get(name) is not None:
-            return _num(body, name, None, 1, None, integer=True), True
+            return read_num(body, name, None, 1, None, integer=True), True
     # A placeholder until the prompt length is known: PromptBuilder.fit sets the real value.
     return default or UNSET_MAX_TOKENS, False
 
 
 def _n_stream(body: dict[str, Any]) -> tuple[int, bool, bool]:
-    n = _num(body, "n", 1, 1, MAX_N, integer=True)
-    stream = _bool(body, "stream")
+    n = read_num(body, "n", 1, 1, MAX_N, integer=True)
+    stream = read_bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise invalid("stream_options", "'stream_options' must be an object")
-    include_usage = bool(opts and _bool(opts, "include_usage"))
+    include_usage = bool(opts and read_bool(opts, "include_usage"))
     return n, stream, include_usage
 
 
@@ -233,24 +233,24 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     if isinstance(prompt, list):
         if prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise invalid("prompt", "batched prompts are not supported: send one per request")
-        prompt = _token_ids(prompt, "prompt")
+        prompt = read_token_ids(prompt, "prompt")
         if not prompt:
             raise invalid("prompt", "'prompt' must not be empty")
     elif not isinstance(prompt, str):
         raise invalid("prompt", "'prompt' must be a string or a list of token ids")
-    suffix = _str(body, "suffix")
+    suffix = read_str(body, "suffix")
     if suffix is not None and not isinstance(prompt, str):
         raise invalid("suffix", "'suffix' needs a string 'prompt'")
-    logprobs = _num(body, "logprobs", None, 0, 20, integer=True)
-    echo = _bool(body, "echo")
+    logprobs = read_num(body, "logprobs", None, 0, 20, integer=True)
+    echo = read_bool(body, "echo")
     if echo and suffix is not None:
         raise invalid("echo", "'echo' cannot be combined with 'suffix'")
     max_tokens, given = _max_tokens(body, 16)
     n, stream, include_usage = _n_stream(body)
     return GenerationRequest(
-        kind="completion", model=_str(body, "model"), params=_sampling(body, max_tokens, logprobs),
-        max_tokens_given=given, n=n, stream=stream, include_usage=include_usage, echo=echo,
-        prompt=prompt, suffix=suffix)
+        kind="completion", model=read_str(body, "model"),
+        params=_sampling(body, max_tokens, logprobs), max_tokens_given=given, n=n, stream=stream,
+        include_usage=include_usage, echo=echo, prompt=prompt, suffix=suffix)
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationRequest:
@@ -258,14 +258,14 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "'messages' must be a non-empty list")
     rendered = [_message(m, i) for i, m in enumerate(messages)]
-    want_lp = _bool(body, "logprobs")
-    top = _num(body, "top_logprobs", None, 0, 20, integer=True)
+    want_lp = read_bool(body, "logprobs")
+    top = read_num(body, "top_logprobs", None, 0, 20, integer=True)
     if top is not None and not want_lp:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     max_tokens, given = _max_tokens(body, None, ("max_completion_tokens", "max_tokens"))
     n, stream, include_usage = _n_stream(body)
     return GenerationRequest(
-        kind="chat", model=_str(body, "model"),
+        kind="chat", model=read_str(body, "model"),
         params=_sampling(body, max_tokens, (top or 0) if want_lp else None),
         max_tokens_given=given, n=n, stream=stream, include_usage=include_usage,
         messages=rendered, chat_logprobs=want_lp)

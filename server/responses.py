@@ -76,7 +76,7 @@ def usage(n_prompt: int, choices: list[Choice]) -> dict[str, Any]:
             "speculative": speculative_usage([c.last.spec for c in choices if c.last])}
 
 
-def _entry(e: Any) -> tuple[int, float, dict[int, float]]:
+def logprob_entry(e: Any) -> tuple[int, float, dict[int, float]]:
     """One token's logprobs, as the engine's TokenLogprob or a (token_id, logprob, top) tuple."""
     if isinstance(e, tuple):
         return int(e[0]), float(e[1]), dict(e[2] or {})
@@ -86,7 +86,7 @@ def _entry(e: Any) -> tuple[int, float, dict[int, float]]:
 def completion_logprobs(pb: PromptBuilder, entries: list[Any], offset: int) -> dict[str, Any]:
     """The legacy completions shape: parallel lists, text offsets from `offset`."""
     tokens, lps, tops, offsets = [], [], [], []
-    for token_id, lp, top in map(_entry, entries):
+    for token_id, lp, top in map(logprob_entry, entries):
         text = pb.token_text(token_id)
         tokens.append(text)
         lps.append(lp)
@@ -104,7 +104,7 @@ def chat_logprobs(pb: PromptBuilder, entries: list[Any]) -> dict[str, Any]:
 
     return {"content": [
         {**item(t, lp), "top_logprobs": [item(k, v) for k, v in top.items()]}
-        for t, lp, top in map(_entry, entries)]}
+        for t, lp, top in map(logprob_entry, entries)]}
 
 
 class Formatter:

@@ -130,7 +130,7 @@ class BlockManager:
     def _register_full_blocks(self, seq: Sequence) -> None:
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
         # Only blocks whose tokens the sequence already holds: a verification step commits its
-        # accepted drafts' KV before they join the tokens (step_results.finish_step), and a
+        # accepted drafts' KV before they join the tokens (specdec/commit.py), and a
         # block they fill is hashed at the next commit, over its whole token run.
         full = min(seq.num_computed, seq.num_tokens) // self.block_size
         if full <= len(hashes):

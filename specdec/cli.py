@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from specdec.cli_options import HelpFormatter, add_weight_args
+from specdec.cli_options import HelpFormatter, add_weight_args, runtime_from_env
 
 
 def _generate(argv: list[str]) -> int:
@@ -47,7 +47,7 @@ def _generate(argv: list[str]) -> int:
     _note(f"loading {a.model} ...")
     llm = LLM(model=a.model, dtype=a.dtype, device=a.device, speculative=_spec(a),
               adaptive_speculation=not a.no_adaptive_speculation, quantization=a.quantization,
-              cpu_kernel=a.cpu_kernel)
+              cpu_kernel=a.cpu_kernel, runtime=runtime_from_env())
     spec = llm.engine.default_spec
     if spec.method != "none":
         _note(f"loading the {spec.method} drafter"

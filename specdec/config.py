@@ -74,13 +74,30 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decode + trees)
     max_waiting: int = 1024  # admission bound; the server answers 429 beyond it
-    # Launch the next step before reading the previous one back (LLMEngine.step; plain decodes
-    # chain on device tokens, specdec.overlap). None: on where the device runs asynchronously
-    # to the host (CUDA).
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How steps run on the device: switches that change speed, never outputs. Only the CLIs
+    read environment variables (specdec/cli_options.py); everything else passes this."""
+
+    # Launch the next step before reading the previous one back (LLMEngine.step: a step is
+    # chained on the device from its predecessor's verdict, specdec/chaining.py). None: on
+    # where the device runs asynchronously to the host (CUDA).
     overlap: bool | None = None
-    # Overlapped speculative steps, drafted on the device (specdec/spec_overlap.py), for
-    # drafters with position tables (replay). None: wherever overlap is on.
+    # Chaining speculative steps too (drafted on the device, for drafters with position tables
+    # or device lookup). None: wherever overlap is on.
     spec_overlap: bool | None = None
+    cuda_graphs: bool = True  # replay fixed-shape steps from CUDA graphs (CUDA + Triton only)
+    tune_graphs: bool = True  # time split counts and matmul tiles per graph bucket
+    tune_context: int = 1024  # cached tokens of the placeholder step that tuning times
+    tuning_cache: bool = True  # keep tuned choices on disk (specdec/graph_tuning.py)
+    pdl: bool = False  # programmatic dependent launch (verify_kernels/pdl.py), Hopper and up
+    skinny_tune: bool = True  # time the few-row matmul's tile candidates (False: first one)
+
+    def __post_init__(self) -> None:
+        if self.tune_context < 0:
+            raise ValueError(f"tune_context must be >= 0, got {self.tune_context}")
 
 
 @dataclass(frozen=True)
@@ -120,6 +137,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
     seed: int = 0
 
 

@@ -22,28 +22,21 @@ that capture hidden layers) run eagerly: `execute` returns None for them.
 
 On a bucket's first capture its KV split count and matmul tiles are timed in the whole captured
 step, on a placeholder step at a fixed context (`specdec/graph_tuning.py`), and kept on disk
-for the next runner of the same model, GPU and code. `capture_all` does every bucket up front,
+for the next runner of the same model, GPU and code (RuntimeConfig's tune_graphs, tune_context
+and tuning_cache). `capture_all` does every bucket up front,
 so that no step waits for a capture (the server calls it at start).
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any, NamedTuple
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
-from specdec.attention import AttentionMetadata
-from specdec.graph_inputs import (
-    BATCH_SIZES,
-    MAX_GRAPH_TOKENS,
-    TOKENS_PER_SEQ,
-    Layout,
-    pack_step,
-    padded_metadata,
-    pick_bucket,
-)
+from specdec.attention_metadata import AttentionMetadata
+from specdec.config import RuntimeConfig
 from specdec.graph_tuning import (
     Outputs,
     cache_file,
@@ -54,6 +47,19 @@ from specdec.graph_tuning import (
     tune_tiles,
     tuning_segments,
 )
+from specdec.step_inputs import (
+    BATCH_SIZES,
+    MAX_GRAPH_TOKENS,
+    TOKENS_PER_SEQ,
+    Layout,
+    StepOutput,
+    pack_step,
+    padded_metadata,
+    pick_bucket,
+)
+
+if TYPE_CHECKING:
+    from verify_kernels.skinny_tiles import TileChoices
 
 # Buckets of up to this many rows (the few-row matmul's limit) compute every row's logits in
 # the graph; the LM head reads its weight once whatever the rows.
@@ -97,16 +103,20 @@ class _FixedSplits:
         return self.inner.step_rope(meta, positions, inv_freq, rope_scaling, group)
 
     def decode(self, q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
-               meta: AttentionMetadata, scale: float, rope=None) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, rope=None, pdl: bool = False
+               ) -> torch.Tensor:
         return self.inner.decode(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
-                                 meta, scale, num_splits=self.splits, rope=rope)
+                                 meta, scale, num_splits=self.splits, rope=rope, pdl=pdl)
 
 
 class GraphRunner:
-    """Captures (lazily, on a bucket's first step) and replays the model's forward pass."""
+    """Captures (lazily, on a bucket's first step) and replays the model's forward pass.
+    `runtime`: whether and on what context buckets are tuned, and whether the choices are
+    kept on disk; the model's own matmul tile choices (`model.kernels`) are what it re-times."""
 
     def __init__(self, model: Any, kv: torch.Tensor, backend: Any, block_size: int,
-                 width: int, device: torch.device) -> None:
+                 width: int, device: torch.device,
+                 runtime: RuntimeConfig = RuntimeConfig()) -> None:
         self.model, self.kv, self.backend = model, kv, backend
         self.block_size, self.width, self.device = block_size, width, device
         attn = model.model.layers[0].self_attn
@@ -125,18 +135,27 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         self.replays = 0
         self.eager_steps = 0
-        self.tune = os.environ.get("SPECDEC_TUNE_GRAPHS", "1") != "0"
+        self.tune = runtime.tune_graphs
+        self.tune_context = runtime.tune_context  # cached tokens of the placeholder step
         self.tuned: dict[tuple[int, int], dict] = {}  # per bucket: step ms before/after, trials
         self.tuned_keys: set[tuple] = set()  # matmul keys whose tiles were tuned in a graph
         self.splits: dict[tuple[int, int], int] = {}  # per bucket: split count chosen by timing
         # Choices an earlier runner of the same model, GPU and code kept on disk: those buckets
         # are captured without timing (graph_tuning.cache_file).
-        self.cache = cache_file(self) if self.tune else None
+        self.cache = (cache_file(self, self.tune_context)
+                      if self.tune and runtime.tuning_cache else None)
         self.loaded: set[tuple[int, int]] = set()
         if self.cache is not None and self.cache.exists():
             self.loaded = load_choices(self, self.cache)
             for key in self.loaded:
                 self.tuned[key] = {"loaded": str(self.cache)}
+
+    @property
+    def tiles(self) -> TileChoices | None:
+        """The model's few-row matmul tile choices (verify_kernels.skinny_tiles.TileChoices),
+        or None where the model does not run the fused kernels."""
+        kernels = getattr(self.model, "kernels", None)
+        return kernels.tiles if kernels is not None else None
 
     def num_splits(self, b: int, q: int) -> int:
         """Split-KV partitions for a bucket: the count timed best at its capture, else the
@@ -156,8 +175,6 @@ class GraphRunner:
                 fixup=None):
         """The step's StepOutput through a graph, or None when the step must run eagerly.
         `token_source`, `fixup`: see ModelRunner.execute."""
-        from specdec.model_runner import StepOutput
-
         key = pick_bucket(segments, self.width, self.block_size)
         if key is None:
             self.eager_steps += 1
@@ -178,12 +195,12 @@ class GraphRunner:
         self.replays += 1
         if logits is not None and leading:  # the rows with logits come first, in order
             # Views of graph memory: their readers are queued before the next step's replay.
-            return StepOutput(logits[:n_rows], hidden[:n_rows], offsets)
+            return StepOutput(logits[:n_rows], offsets)
         idx = d64[lay.rows_at:lay.rows_at + n_rows]
-        h = hidden.index_select(0, idx)  # [rows, hidden], outside the graph's memory
         if logits is not None:
-            return StepOutput(logits.index_select(0, idx), h, offsets)
-        return StepOutput(self.model.compute_logits(h), h, offsets)
+            return StepOutput(logits.index_select(0, idx), offsets)
+        # [rows, hidden], outside the graph's memory
+        return StepOutput(self.model.compute_logits(hidden.index_select(0, idx)), offsets)
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int, max_q: int) -> int:
@@ -246,11 +263,11 @@ class GraphRunner:
     def _capture(self, lay: Layout) -> None:
         """The bucket's graph, captured and tuned on a placeholder step that writes no KV
         (graph_tuning.tuning_segments); the caller stages its own step afterwards."""
-        from verify_kernels import skinny_tiles
-
-        segs = tuning_segments(lay.batch, lay.q, self.width, self.block_size, self.kv.shape[2])
+        segs = tuning_segments(lay.batch, lay.q, self.width, self.block_size, self.kv.shape[2],
+                               self.tune_context)
         self._stage(segs, lay)
-        with skinny_tiles.recording_keys() as keys:
+        tiles = self.tiles
+        with tiles.recording_keys() if tiles is not None else nullcontext([]) as keys:
             self.forward(lay)  # compiles the kernels (and times new matmul shapes alone)
         keys = [k for k in keys if k not in self.tuned_keys]
         graph, outs = self.capture(lay)

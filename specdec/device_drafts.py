@@ -1,4 +1,4 @@
-"""Where an overlapped speculative step's drafts come from on the device (specdec/spec_overlap.py).
+"""Where a chained speculative step's drafts come from on the device (specdec/chaining.py).
 
 Step n + 1 is launched before step n's verdict reaches the host, so its drafts must be made on
 the device from what the device knows: each sequence's positions after step n, and the tokens
@@ -11,9 +11,9 @@ step n emitted. Two sources:
   latest earlier occurrence of the longest suffix there, as `drafters.ngram.lookup_chain` does
   on the host, token for token.
 
-Both are made when the pipeline starts and moved on with it: `next(prev, rows)` is queued
-behind step n (it may read step n's emitted tokens), `drafts(pos, shape)` inside the staging fix
-of step n + 1.
+Both are made when a chain starts and moved on with it: `next(emitted, num, rows, ...)` is
+queued behind step n (it may read step n's emitted tokens), `drafts(pos, shape)` inside the
+staging fix of step n + 1.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from specdec.spec_overlap import InFlight, TreeShape
+    from specdec.verdict import TreeShape
 
 
 COLUMN_ROUND = 256  # lookups search the histories' first `bound` columns, rounded up to this
@@ -33,8 +33,8 @@ class TableDrafts:
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table  # [n, L, W] per sequence, per position, per sibling column
 
-    def next(self, prev: InFlight, rows: torch.Tensor, same_rows: bool, bound: int
-             ) -> TableDrafts:
+    def next(self, emitted: torch.Tensor, num: torch.Tensor, rows: torch.Tensor,
+             same_rows: bool, bound: int) -> TableDrafts:
         """The tables of the sequences kept (`rows` of the step before)."""
         return self if same_rows else TableDrafts(self.table.index_select(0, rows))
 
@@ -63,15 +63,16 @@ class LookupDrafts:
         return LookupDrafts(hist.to(device), length.to(device), min_n, max_n,
                             max(map(len, tokens)))
 
-    def next(self, prev: InFlight, rows: torch.Tensor, same_rows: bool, bound: int
-             ) -> LookupDrafts:
-        """The kept sequences' histories with step `prev`'s emitted tokens appended (its
-        accepted drafts, then the bonus token: the next step's root); `bound`: the most tokens
-        a kept sequence can now hold, as the host knows it."""
+    def next(self, emitted: torch.Tensor, num: torch.Tensor, rows: torch.Tensor,
+             same_rows: bool, bound: int) -> LookupDrafts:
+        """The kept sequences' histories with the step before's emitted tokens appended
+        (`emitted` [n, k + 1], `num` [n] of them per row: its accepted drafts, then the bonus
+        token, the next step's root); `bound`: the most tokens a kept sequence can now hold,
+        as the host knows it."""
         hist = self.hist if same_rows else self.hist.index_select(0, rows)
         length = self.length if same_rows else self.length.index_select(0, rows)
-        emitted = prev.emitted.index_select(0, rows)  # [n, k + 1]
-        num = prev.num.index_select(0, rows)  # [n]
+        emitted = emitted.index_select(0, rows)  # [n, k + 1]
+        num = num.index_select(0, rows)  # [n]
         j = torch.arange(emitted.shape[1], device=hist.device)
         # Columns past a row's count are written where the next step's tokens will go and
         # overwritten then; the capacity leaves room for them. In place: the step before's

@@ -6,21 +6,23 @@ alone does not always win between the step's other kernels. So on a bucket's fir
 split count is timed among a few counts below the heuristic's (`split_candidates`), then each
 matmul's tiles are re-chosen by replaying the step with every candidate, one matmul at a time,
 keeping a change only when the step gets faster (a few seconds per row count, once: buckets
-with the same rows per step share the tiles). SPECDEC_TUNE_GRAPHS=0 skips both.
+with the same rows per step share the tiles). RuntimeConfig.tune_graphs=False (the CLIs'
+SPECDEC_TUNE_GRAPHS=0) skips both.
 
 The choices are kept on disk (`cache_file`: SPECDEC_CACHE, or ~/.cache/specdec, under tuning/)
-per GPU, torch and Triton versions, model parameter shapes, block table and kernel sources; a
-later runner with the same key loads them and captures its buckets without timing anything
-(a cold start with every bucket tuned takes minutes on an H200). SPECDEC_TUNING_CACHE=0 turns
-this off (the benchmarks do: each run tunes afresh).
+per GPU, torch and Triton versions, model parameter shapes, block table, tuning context and
+kernel sources; a later runner with the same key loads them and captures its buckets without
+timing anything (a cold start with every bucket tuned takes minutes on an H200).
+RuntimeConfig.tuning_cache=False (SPECDEC_TUNING_CACHE=0) turns this off (the benchmarks do:
+each run tunes afresh).
 
 Both are timed on a placeholder step (`tuning_segments`), never on the step that triggered the
-capture: every sequence of the bucket present, each with TUNE_CONTEXT tokens of context
-(SPECDEC_TUNE_CONTEXT, default 1024, capped by the model's length) in distinct cache blocks,
-and nothing written to the cache. Attention time depends on the context, and the fastest split
-count with it: timed on the first real step, or on empty placeholders as before, the choice
-followed whatever context that step happened to have (with none, the fewest splits, whose merge
-is cheapest, won buckets whose later steps read 1k tokens and more).
+capture: every sequence of the bucket present, each with RuntimeConfig.tune_context tokens of
+context (SPECDEC_TUNE_CONTEXT, default 1024, capped by the model's length) in distinct cache
+blocks, and nothing written to the cache. Attention time depends on the context, and the
+fastest split count with it: timed on the first real step, or on empty placeholders as before,
+the choice followed whatever context that step happened to have (with none, the fewest
+splits, whose merge is cheapest, won buckets whose later steps read 1k tokens and more).
 """
 
 from __future__ import annotations
@@ -33,26 +35,16 @@ from typing import Any
 
 import torch
 
-
-def _tune_context() -> int:
-    raw = os.environ.get("SPECDEC_TUNE_CONTEXT", "1024")
-    if not raw.strip().isdigit():
-        raise ValueError(f"SPECDEC_TUNE_CONTEXT must be a number of tokens (>= 0), got {raw!r}")
-    return int(raw)
-
-
-TUNE_CONTEXT = _tune_context()
-
 Outputs = tuple[torch.Tensor, "torch.Tensor | None"]  # a graph's hidden states, logits
 
 
 def tuning_segments(batch: int, q: int, width: int, block_size: int, num_blocks: int,
-                    context: int = TUNE_CONTEXT) -> list[Any]:
+                    context: int) -> list[Any]:
     """`batch` segments of `q` rows, each over `context` cached tokens (at most what a width-W
     block table holds) in blocks of its own (wrapping round the pool when it is small): the
     reads of a real step at that context. Slots are -1, so the step writes no KV; the cache
     holds finite values everywhere, so the garbage it reads stays finite."""
-    from specdec.model_runner import Segment
+    from specdec.step_inputs import Segment
 
     ctx = max(0, min(context, width * block_size - q))
     n = -(-(ctx + q) // block_size)
@@ -117,7 +109,7 @@ def tune_splits(runner: Any, lay: Any, graph: torch.cuda.CUDAGraph, outs: Output
                 ) -> tuple[torch.cuda.CUDAGraph, Outputs]:
     """The bucket's graph at the fastest of its heuristic split count and `split_candidates`:
     the merge and uneven split lengths can cost more than the parallelism gains (H200: 3 splits
-    at 16 sequences of 8 rows 11% slower than 2; bench/gpu_splits.py)."""
+    at 16 sequences of 8 rows 11% slower than 2; bench/results/gpu_splits_h200_20261130.json)."""
     key = (lay.batch, lay.q)
     first = runner.num_splits(*key)
     best, kept = replay_ms(graph), first
@@ -135,23 +127,23 @@ def tune_splits(runner: Any, lay: Any, graph: torch.cuda.CUDAGraph, outs: Output
 
 def tune_tiles(runner: Any, lay: Any, keys: list[tuple], graph: torch.cuda.CUDAGraph,
                outs: Outputs) -> tuple[torch.cuda.CUDAGraph, Outputs]:
-    """The bucket's graph with each matmul key's tile re-chosen in the whole step."""
-    from verify_kernels import skinny_tiles
-
+    """The bucket's graph with each matmul key's tile re-chosen in the whole step (in the
+    runner's `tiles`, the model's choices)."""
+    tiles = runner.tiles
     first = best = replay_ms(graph)
     trials = 0
     for key in keys:
-        kept = skinny_tiles.config_of(key)
-        for cfg in skinny_tiles.candidates(key):
+        kept = tiles.config_of(key)
+        for cfg in tiles.candidates(key):
             if cfg == kept:
                 continue
-            skinny_tiles.set_config(key, cfg)
+            tiles.set_config(key, cfg)
             g, o = runner.capture(lay)
             t = replay_ms(g)
             trials += 1
             if t < best * 0.997:  # past replay noise
                 best, kept, graph, outs = t, cfg, g, o
-        skinny_tiles.set_config(key, kept)
+        tiles.set_config(key, kept)
         runner.tuned_keys.add(key)
     runner.tuned.setdefault((lay.batch, lay.q), {}).update(
         {"step_ms_alone_tuned": first, "step_ms": best, "trials": trials})
@@ -175,11 +167,9 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
-def cache_file(runner: Any) -> Path | None:
-    """Where `runner`'s tuned choices are kept, or None with SPECDEC_TUNING_CACHE=0. The name
-    is a digest of everything the choices depend on."""
-    if os.environ.get("SPECDEC_TUNING_CACHE", "1") == "0":
-        return None
+def cache_file(runner: Any, context: int) -> Path:
+    """Where `runner`'s choices, tuned at `context` tokens, are kept. The name is a digest of
+    everything the choices depend on."""
     import triton
 
     from specdec.hub.resolve import cache_root
@@ -190,7 +180,7 @@ def cache_file(runner: Any) -> Path | None:
         "torch": torch.__version__, "triton": triton.__version__,
         "params": [(n, list(p.shape), str(p.dtype)) for n, p in runner.model.named_parameters()],
         "heads": [runner.hq, runner.hkv], "block_size": runner.block_size,
-        "width": runner.width, "context": TUNE_CONTEXT, "sources": _sources_digest(),
+        "width": runner.width, "context": context, "sources": _sources_digest(),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return cache_root() / "tuning" / f"{digest}.json"
@@ -207,13 +197,12 @@ def _decode_key(raw: list) -> tuple:
 
 def save_choices(runner: Any, path: Path) -> None:
     """The runner's tuned buckets (split counts) and every matmul tile chosen so far."""
-    from verify_kernels import skinny_tiles
-
+    tiles = runner.tiles
     data = {
         "buckets": [[b, q, runner.splits[(b, q)]] for (b, q) in sorted(runner.splits)
                     if (b, q) in runner.tuned],
         "tiles": [[_encode_key(k), list(cfg)]
-                  for k, cfg in skinny_tiles.chosen_configs().items()],
+                  for k, cfg in (tiles.chosen_configs() if tiles is not None else {}).items()],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -224,8 +213,6 @@ def save_choices(runner: Any, path: Path) -> None:
 def load_choices(runner: Any, path: Path) -> set[tuple[int, int]]:
     """Applies the choices kept at `path` (split counts, tiles, marked tuned); returns the
     buckets they cover (captured without timing). An unreadable file is ignored."""
-    from verify_kernels import skinny_tiles
-
     try:
         data = json.loads(path.read_text())
         buckets = {(int(b), int(q)): int(s) for b, q, s in data["buckets"]}
@@ -233,7 +220,8 @@ def load_choices(runner: Any, path: Path) -> set[tuple[int, int]]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return set()
     runner.splits.update(buckets)
-    for key, cfg in tiles:
-        skinny_tiles.set_config(key, cfg)
-        runner.tuned_keys.add(key)
+    if runner.tiles is not None:
+        for key, cfg in tiles:
+            runner.tiles.set_config(key, cfg)
+            runner.tuned_keys.add(key)
     return set(buckets)

@@ -21,7 +21,7 @@ from specdec.sampling_params import SamplingParams
 def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on the device without waiting for the device: `torch.tensor(x,
     device=cuda)` synchronises the stream, which would stall a step launched ahead
-    (specdec/overlap.py)."""
+    (specdec/chaining.py)."""
     t = torch.tensor(values, dtype=dtype)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -11,12 +10,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_model
 
+from specdec.cli_options import runtime_from_env
+from specdec.config import RuntimeConfig
+
 # The tests run tiny models: one thread avoids thread hand-off costs that dominate small ops
 # (and that balloon when two test processes share the two cores of a CI machine).
 torch.set_num_threads(1)
-# CUDA graph tuning is not read from or kept in the user's cache (the test of that cache sets
-# its own); every test tunes what it captures.
-os.environ["SPECDEC_TUNING_CACHE"] = "0"
+
+
+@pytest.fixture(scope="session")
+def runtime() -> RuntimeConfig:
+    """The runtime switches of the engines and graph runners the tests build on CUDA: the
+    SPECDEC_* variables as the CLIs read them (bench/gpu_run.sh sets SPECDEC_TUNE_GRAPHS=0 and
+    SPECDEC_SKINNY_TUNE=0 to skip the timing), except that CUDA graph tuning is never read from
+    or kept in the user's cache (the test of that cache sets its own): every test tunes what it
+    captures."""
+    return runtime_from_env(tuning_cache=False)
 
 
 @pytest.fixture(scope="session")

@@ -173,7 +173,7 @@ def test_sequence_tokens_follow_the_output():
 
 def test_blocks_filled_by_accepted_drafts_are_cached_under_their_tokens():
     """A verification step commits its accepted drafts' KV before they join the sequence's
-    tokens (step_results.finish_step): a block they fill is hashed once its tokens are there,
+    tokens (specdec/commit.py): a block they fill is hashed once its tokens are there,
     so a later prompt that repeats the output hits it."""
     bm = BlockManager(16, 4)
     s = seq("a", list(range(6)))

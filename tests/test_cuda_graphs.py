@@ -5,6 +5,7 @@ stand-in for CUDA graphs (the Triton path under the interpreter); real capture o
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,14 +17,15 @@ if not torch.cuda.is_available():
 
 from drafters.tree import DraftTree
 from specdec import graph_tuning
-from specdec.attention import TorchAttentionBackend, write_kv_ref
+from specdec.attention import TorchAttentionBackend
 from specdec.cuda_graphs import GraphRunner
 from specdec.engine import LLMEngine
-from specdec.graph_inputs import Layout, pack_step, padded_metadata, pick_bucket
 from specdec.graph_tuning import heuristic_splits, split_candidates, tuning_segments
-from specdec.model_runner import Segment
+from specdec.models.loader import fused_kernels
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
+from specdec.step_inputs import Layout, Segment, pack_step, padded_metadata, pick_bucket
+from verify_kernels.reference import write_kv_ref
 
 
 class _SkipPadding(TorchAttentionBackend):
@@ -201,9 +203,9 @@ def test_pick_bucket_limits():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_graph_replay_matches_eager_on_cuda(tiny_llama):
+def test_graph_replay_matches_eager_on_cuda(tiny_llama, runtime):
     eng = LLMEngine.from_args(str(tiny_llama), device="cuda", speculative={"method": "none"},
-                              num_blocks=64)
+                              num_blocks=64, runtime=runtime)
     assert eng.runner.graphs is not None
     seq = _prefilled(eng, "g", [3, 9, 4, 17, 22, 5, 8, 30], 2)
     seg = _step_segment(eng, seq, [11, 12], [-1, -1])
@@ -262,7 +264,7 @@ def _stand_in_graphs(monkeypatch) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for CUDA graphs")
-def test_runner_tunes_on_placeholders_and_replays_exactly(tiny_llama, monkeypatch):
+def test_runner_tunes_on_placeholders_and_replays_exactly(tiny_llama, monkeypatch, runtime):
     """capture_all tunes each bucket on its placeholder step without touching the KV cache; a
     verification step in a new bucket is captured and tuned the same way before its own inputs
     are staged; it and the decode step after it run with the split counts the tuning kept
@@ -271,10 +273,11 @@ def test_runner_tunes_on_placeholders_and_replays_exactly(tiny_llama, monkeypatc
     monkeypatch.setattr(graph_tuning, "replay_ms", lambda g: 1.0 if g.splits == 1 else 2.0)
     eng = LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"},
                               attention_backend="triton", num_blocks=40)
-    eng.runner.model.fused = True
+    eng.runner.model.kernels = fused_kernels(runtime.pdl, runtime.skinny_tune)
     runner = GraphRunner(eng.runner.model, eng.runner.kv, eng.runner.backend,
-                         eng.runner.block_size, 8, torch.device("cpu"))
-    assert runner.tune
+                         eng.runner.block_size, 8, torch.device("cpu"),
+                         replace(runtime, tune_graphs=True))
+    assert runner.tune and runner.cache is None
     before = eng.runner.kv.clone()
     with torch.inference_mode():
         assert runner.capture_all(1, 2) == 2  # (1, 1) and (1, 2); (1, 4) on its first step
@@ -314,39 +317,40 @@ def test_runner_tunes_on_placeholders_and_replays_exactly(tiny_llama, monkeypatc
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for CUDA graphs")
-def test_tuned_choices_are_kept_and_reused(tiny_llama, monkeypatch, tmp_path):
+def test_tuned_choices_are_kept_and_reused(tiny_llama, monkeypatch, tmp_path, runtime):
     """A runner keeps its buckets' split counts and tiles on disk; the next runner of the same
     model and code loads them and captures those buckets without timing anything, with the
-    same logits; another block table width is another file; a damaged file is ignored."""
-    from verify_kernels import skinny_tiles
-
+    same logits; another block table width or tuning context is another file; a damaged file
+    is ignored."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    monkeypatch.setenv("SPECDEC_TUNING_CACHE", "1")
+    kept = replace(runtime, tune_graphs=True, tuning_cache=True)
     _stand_in_graphs(monkeypatch)
     timed: list[int] = []
     monkeypatch.setattr(graph_tuning, "replay_ms",
                         lambda g: timed.append(g.splits) or (1.0 if g.splits == 1 else 2.0))
     eng = LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"},
                               attention_backend="triton", num_blocks=40)
-    eng.runner.model.fused = True
+    eng.runner.model.kernels = fused_kernels(runtime.pdl, runtime.skinny_tune)
 
-    def runner(width: int = 8) -> GraphRunner:
+    def runner(width: int = 8, context: int = kept.tune_context) -> GraphRunner:
         return GraphRunner(eng.runner.model, eng.runner.kv, eng.runner.backend,
-                           eng.runner.block_size, width, torch.device("cpu"))
+                           eng.runner.block_size, width, torch.device("cpu"),
+                           replace(kept, tune_context=context))
 
     first = runner()
     assert first.cache is not None and not first.cache.exists() and not first.loaded
     with torch.inference_mode():
         first.capture_all(1, 2)
     assert timed and first.cache.exists()
-    tiles = skinny_tiles.chosen_configs()
+    tiles = first.tiles.chosen_configs()
     assert tiles and first.splits == {(1, 1): 1, (1, 2): 1}
 
-    skinny_tiles.forget()  # as in a new process
+    # As in a new process: the model's tile choices start empty.
+    eng.runner.model.kernels = fused_kernels(runtime.pdl, runtime.skinny_tune)
     timed.clear()
     second = runner()
     assert second.cache == first.cache and second.loaded == {(1, 1), (1, 2)}
-    assert second.splits == first.splits and skinny_tiles.chosen_configs() == tiles
+    assert second.splits == first.splits and second.tiles.chosen_configs() == tiles
     seq = _prefilled(eng, "k", [3, 9, 4, 17, 22, 5, 8, 30, 31, 2, 6], 3)
     seg = _step_segment(eng, seq, [11], [-1])
     with torch.inference_mode():
@@ -358,5 +362,6 @@ def test_tuned_choices_are_kept_and_reused(tiny_llama, monkeypatch, tmp_path):
     eng.blocks.free_seq(seq)
 
     assert runner(width=4).cache != first.cache
+    assert runner(context=kept.tune_context // 2).cache != first.cache
     first.cache.write_text("{not json")
     assert runner().loaded == set()

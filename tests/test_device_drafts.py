@@ -12,7 +12,6 @@ from test_engine import PROMPTS
 from drafters.ngram import _Index, lookup_chain
 from specdec import LLM, SamplingParams, device_drafts
 from specdec.device_drafts import LookupDrafts, lookup
-from specdec.spec_overlap import InFlight
 
 PROMPTS = PROMPTS[:4]
 
@@ -53,11 +52,10 @@ def test_next_appends_each_kept_rows_emitted_tokens():
     src = LookupDrafts.from_tokens(tokens, 12, 1, 3, torch.device("cpu"))
     emitted = torch.tensor([[7, 8, 9], [10, 11, 12], [13, 14, 15]])
     num = torch.tensor([2, 3, 1])
-    prev = InFlight([], [], src, emitted, num, None)
-    nxt = src.next(prev, torch.tensor([0, 2]), same_rows=False, bound=6)
+    nxt = src.next(emitted, num, torch.tensor([0, 2]), same_rows=False, bound=6)
     assert nxt.length.tolist() == [5, 2] and nxt.bound == 6
     assert nxt.hist[0, :5].tolist() == [1, 2, 3, 7, 8] and nxt.hist[1, :2].tolist() == [6, 13]
-    same = src.next(prev, torch.arange(3), same_rows=True, bound=6)
+    same = src.next(emitted, num, torch.arange(3), same_rows=True, bound=6)
     assert same.length.tolist() == [5, 5, 2] and same.hist[1, :5].tolist() == [4, 5, 10, 11, 12]
 
 
@@ -84,9 +82,9 @@ def test_overlapped_lookup_equals_plain_and_the_host_path(tiny_llama, plain, min
         outs = lm.generate(PROMPTS, lookup_params(48, min_n=min_n))
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
         eng = lm.engine
-        assert eng.spec_pipeline.in_flight is None and eng.blocks.num_used == 0
+        assert eng.in_flight is None and eng.blocks.num_used == 0
         spec = eng.spec_totals["ngram"]
-        runs[overlap] = (eng.spec_pipeline.chained_steps, spec.steps, spec.accepted_tokens)
+        runs[overlap] = (eng.chainer.chained_steps, spec.steps, spec.accepted_tokens)
     assert runs[True][0] >= 8 and runs[False][0] == 0
     # Proposals are a function of the tokens, and the tokens are plain greedy's: the same
     # steps accept the same drafts on either path.
@@ -99,4 +97,4 @@ def test_lookup_off_the_device_keeps_branching_trees(tiny_llama, plain):
                                                speculative={"method": "ngram",
                                                             "num_speculative_tokens": 4}))
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    assert lm.engine.spec_pipeline.chained_steps == 0
+    assert lm.engine.chainer.chained_steps == 0

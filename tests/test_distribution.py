@@ -19,10 +19,10 @@ import torch
 from test_verifier import chisquare_p
 from tiny_models import make_model
 
-import specdec.step_results as step_results
+import specdec.verdict as verdict
 from specdec import LLM, SamplingParams
 from specdec.sampler import RowContext, process_logits
-from specdec.verifier import VerifyResult, verify_tree
+from verify_kernels.reference import VerifyResult, verify_tree
 
 V = 8
 PROMPT = [1, 2, 3, 4, 1, 3, 2, 4, 1, 2, 5, 3, 6, 1]
@@ -123,7 +123,7 @@ def eager_verify(probs, offsets, tree, greedy, node_u, bonus_u) -> VerifyResult:
 
 
 def test_negative_control_biased_verifier_fails(llm, models, monkeypatch):
-    monkeypatch.setattr(step_results, "verify_tree", eager_verify)
+    monkeypatch.setattr(verdict, "verify_tree", eager_verify)
     counts, drafted, _ = sample(llm, NGRAM_CHAIN, seed=7)
     assert drafted > 0
     exact = exact_joint(models[0], PROMPT, SamplingParams())

@@ -120,7 +120,7 @@ def test_random_aborts_free_every_block(tiny_llama, tiny_draft, overlap):
     assert n == 200 and not live
     assert eng.blocks.num_used == 0
     assert all(r == 0 for r in eng.blocks.ref_counts)
-    for d in eng._drafters.values():
+    for d in eng.drafting.drafters.values():
         if hasattr(d, "blocks"):
             assert d.blocks.num_used == 0
 

@@ -10,7 +10,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from specdec.attention import write_kv_ref
+from specdec.cli_options import runtime_from_env
+from specdec.models.loader import fused_kernels
 from verify_kernels.fused_ops import (
     embed_scaled,
     embed_scaled_ref,
@@ -23,17 +24,28 @@ from verify_kernels.fused_ops import (
     silu_mul,
     silu_mul_ref,
 )
+from verify_kernels.reference import write_kv_ref
 from verify_kernels.skinny_gemm import (
     fused_linear,
     residual_linear,
     skinny_linear,
     skinny_linear_ref,
 )
+from verify_kernels.skinny_tiles import TileChoices
 
 DEV = "cuda" if os.environ.get("SPECDEC_TEST_DEVICE") == "cuda" else "cpu"
 DT = torch.bfloat16 if DEV == "cuda" else torch.float32
 TOL = {"atol": 2e-2, "rtol": 2e-2} if DT == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
 MM_TOL = {"atol": 5e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+# SPECDEC_SKINNY_TUNE=0 (bench/gpu_run.sh, which runs this file without the conftest): each
+# matmul shape takes its first tile candidate untimed.
+SKINNY_TUNE = runtime_from_env().skinny_tune
+
+
+@pytest.fixture
+def tiles() -> TileChoices:
+    """A test's own tile choices, as a model holds them."""
+    return TileChoices(tune=SKINNY_TUNE)
 
 
 @pytest.mark.parametrize("t,h", [(1, 64), (5, 96), (3, 128)])
@@ -45,7 +57,7 @@ def test_rms_norm(t, h):
 
 
 @pytest.mark.parametrize("t,h", [(1, 64), (7, 96), (16, 128)])
-def test_embed_scaled(t, h):
+def test_embed_scaled(t, h, tiles):
     """Embedding rows, and the first norm's input as a matmul consuming `prenormed` reads it:
     the qkv matmul on it equals the one with the norm folded in."""
     from verify_kernels.skinny_gemm import ScaledRows
@@ -60,7 +72,8 @@ def test_embed_scaled(t, h):
     torch.testing.assert_close(scaled, ref[1], **TOL)
     torch.testing.assert_close(ss, ref[2], **TOL)
     w = (torch.randn(24, h, generator=g) / h ** 0.5).to(DEV, DT)
-    got = fused_linear(out, w, norm_weight=norm, eps=1e-5, prenormed=ScaledRows(scaled, ss))
+    got = fused_linear(out, w, norm_weight=norm, eps=1e-5, prenormed=ScaledRows(scaled, ss),
+                       tiles=tiles)
     torch.testing.assert_close(got.float(), skinny_linear_ref(out, w, norm_weight=norm,
                                                               eps=1e-5).float(), **MM_TOL)
 
@@ -119,7 +132,7 @@ def test_silu_mul(t, inter):
 @pytest.mark.parametrize("n,k", [(64, 128), (200, 96)])
 @pytest.mark.parametrize("prologue", ["none", "norm", "silu"])
 @pytest.mark.parametrize("epilogue", ["none", "bias", "residual", "float32"])
-def test_skinny_linear(m, n, k, prologue, epilogue):
+def test_skinny_linear(m, n, k, prologue, epilogue, tiles):
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, 2 * k if prologue == "silu" else k, generator=g).to(DEV, DT)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, DT)
@@ -134,7 +147,7 @@ def test_skinny_linear(m, n, k, prologue, epilogue):
         kw["out_dtype"] = torch.float32
     ref = skinny_linear_ref(x, w, bias, **{**kw, "residual": kw.get("residual")})
     res_before = kw["residual"].clone() if "residual" in kw else None
-    out = skinny_linear(x, w, bias, **kw)
+    out = skinny_linear(x, w, bias, tiles=tiles, **kw)
     assert out.dtype == ref.dtype and out.shape == (m, n)
     torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
     if res_before is not None:  # the residual is the output buffer, updated in place
@@ -146,7 +159,7 @@ def test_skinny_linear(m, n, k, prologue, epilogue):
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("fma", [False, True])
-def test_gated_linear(m, norm, bias, fma):
+def test_gated_linear(m, norm, bias, fma, tiles):
     """silu(gate) * up as the epilogue of a [2N, K] gate_up weight (cuBLAS and silu_mul past
     16 rows); the several-row FMA path when `fma`."""
     from verify_kernels import skinny_tiles
@@ -163,10 +176,10 @@ def test_gated_linear(m, norm, bias, fma):
     b = torch.randn(2 * n, generator=g).to(DEV, DT) if bias else None
     ref = skinny_linear_ref(x, w, b, **kw)
     if fma:
-        with skinny_tiles.recording_keys() as keys:
-            skinny_linear(x, w, b, **kw)
-        skinny_tiles.set_config(keys[0], (16, 32, 4, 1, "fma"))
-    out = fused_linear(x, w, b, **kw)
+        with tiles.recording_keys() as keys:
+            skinny_linear(x, w, b, tiles=tiles, **kw)
+        tiles.set_config(keys[0], (16, 32, 4, 1, "fma"))
+    out = fused_linear(x, w, b, tiles=tiles, **kw)
     assert out.shape == (m, n)
     torch.testing.assert_close(out.float(), ref.float(), **MM_TOL)
 
@@ -190,12 +203,12 @@ def test_fused_model_equals_eager(tiny_llama, rows, backend, monkeypatch):
     logits, and writes the same KV: a decode step after it agrees too. With the Triton backend
     that decode step is the fused decode kernel (rotary, KV write and attention in one)."""
     from specdec.engine import LLMEngine
-    from specdec.model_runner import Segment
+    from specdec.step_inputs import Segment
 
     def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         eng = LLMEngine.from_args(str(tiny_llama), speculative={"method": "none"}, num_blocks=8,
                                   attention_backend=backend if fused else "torch")
-        eng.runner.model.fused = fused
+        eng.runner.model.kernels = fused_kernels(skinny_tune=SKINNY_TUNE) if fused else None
         seg = Segment(list(range(1, rows + 1)), list(range(rows)), list(range(rows)), 0, [0, 1],
                       logits_rows=tuple(range(rows)))
         first = eng.runner.execute([seg]).logits
@@ -214,34 +227,36 @@ def test_fused_model_equals_eager(tiny_llama, rows, backend, monkeypatch):
     torch.testing.assert_close(fused[1], eager[1], atol=1e-4, rtol=1e-4)
 
 
-def test_skinny_tile_choice_hooks():
+def test_skinny_tile_choice_hooks(tiles):
     """What the graph runner's in-graph tuning relies on: keys of the calls made inside
-    `recording_keys`, in order and once each, with the configs that ran for them."""
-    from verify_kernels import skinny_tiles
-
+    `recording_keys`, in order and once each, with the configs that ran for them; choices are
+    the caller's, another TileChoices holds its own."""
     w1, w2 = torch.randn(48, 64).to(DEV, DT), torch.randn(40, 48).to(DEV, DT)
     x = torch.randn(3, 64).to(DEV, DT)
-    with skinny_tiles.recording_keys() as keys:
-        y = skinny_linear(x, w1)
-        skinny_linear(y, w2)
-        skinny_linear(x, w1)
+    with tiles.recording_keys() as keys:
+        y = skinny_linear(x, w1, tiles=tiles)
+        skinny_linear(y, w2, tiles=tiles)
+        skinny_linear(x, w1, tiles=tiles)
     assert len(keys) == 2 and keys[0][:3] == (4, 48, 64) and keys[1][:3] == (4, 40, 48)
-    cands = skinny_tiles.candidates(keys[0])
-    assert cands and skinny_tiles.config_of(keys[0]) == cands[0]
-    skinny_tiles.set_config(keys[0], cands[-1])
-    assert skinny_tiles.config_of(keys[0]) == cands[-1]
+    cands = tiles.candidates(keys[0])
+    assert cands and tiles.config_of(keys[0]) == cands[0]
+    tiles.set_config(keys[0], cands[-1])
+    assert tiles.config_of(keys[0]) == cands[-1]
+    other = TileChoices(tune=SKINNY_TUNE)
+    assert other.config_of(keys[0]) is None and set(tiles.chosen_configs()) == set(keys)
     tol = {"atol": 3e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {}
-    torch.testing.assert_close(skinny_linear(x, w1), skinny_linear_ref(x, w1), **tol)
+    torch.testing.assert_close(skinny_linear(x, w1, tiles=tiles), skinny_linear_ref(x, w1),
+                               **tol)
+    tiles.forget()
+    assert tiles.chosen_configs() == {} and tiles.candidates(keys[0]) == []
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
 @pytest.mark.parametrize("prologue", ["norm", "silu"])
-def test_skinny_candidates_fold_the_prologue(m, prologue):
+def test_skinny_candidates_fold_the_prologue(m, prologue, tiles):
     """The FMA candidates (16 columns, and 2 as at one row) and the swapped dot candidate, each
     with the prologue in its loop (norm or SiLU-and-multiply folded in, residual in place),
     against the reference, forced through set_config as the tuner would pick them."""
-    from verify_kernels import skinny_tiles
-
     g = torch.Generator().manual_seed(m)
     n, k = 40, 96
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, DT)
@@ -250,25 +265,23 @@ def test_skinny_candidates_fold_the_prologue(m, prologue):
     kw = ({"norm_weight": (torch.rand(k, generator=g) + 0.5).to(DEV, DT)}
           if prologue == "norm" else {"silu_mul": True})
     ref = skinny_linear_ref(x, w, residual=res, **kw)
-    with skinny_tiles.recording_keys() as keys:
-        skinny_linear(x, w, residual=res.clone(), **kw)  # records (and tunes) the key
+    with tiles.recording_keys() as keys:
+        skinny_linear(x, w, residual=res.clone(), tiles=tiles, **kw)  # records and tunes it
     tol = {"atol": 3e-2, "rtol": 3e-2} if DT == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
     for cfg in ((16, 32, 4, 1, "fma"), (2, 64, 4, 1, "fma"), (64, 32, 4, 1, "swap")):
-        skinny_tiles.set_config(keys[0], cfg)
-        out = skinny_linear(x, w, residual=res.clone(), **kw)
+        tiles.set_config(keys[0], cfg)
+        out = skinny_linear(x, w, residual=res.clone(), tiles=tiles, **kw)
         torch.testing.assert_close(out, ref, **tol)
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 16])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("forced", [False, True])
-def test_residual_linear_leaves_the_next_norm_input(m, gated, forced):
+def test_residual_linear_leaves_the_next_norm_input(m, gated, forced, tiles):
     """An o_proj-style matmul (residual added in place) leaves the next RMSNorm's input; the
     matmul that reads it as `prenormed` gives what normalising the residual itself gives. When
     `forced`, the producer runs the FMA candidate with 4-column programs and leaves more
     partial sums (275) than a 16-row consumer reads in one tile (256)."""
-    from verify_kernels import skinny_tiles
-
     if forced and m != 5:
         pytest.skip("one row count covers the forced tiles (the FMA candidate serves 2..8)")
     g = torch.Generator().manual_seed(11 * m + 2 * gated + forced)
@@ -283,16 +296,16 @@ def test_residual_linear_leaves_the_next_norm_input(m, gated, forced):
 
     def chain():
         r = res.clone()
-        scaled = residual_linear(x, w_o, None, r, norm)
+        scaled = residual_linear(x, w_o, None, r, norm, tiles=tiles)
         return r, scaled, fused_linear(r, w, norm_weight=norm, eps=1e-5, gated=gated,
-                                       prenormed=scaled)
+                                       prenormed=scaled, tiles=tiles)
 
-    with skinny_tiles.recording_keys() as keys:
+    with tiles.recording_keys() as keys:
         r, scaled, out = chain()
     assert scaled.scaled.shape == (m, hidden) and scaled.sumsq.shape[1] == m
     if forced:
-        skinny_tiles.set_config(keys[0], (4, 32, 4, 1, "fma"))
-        skinny_tiles.set_config(keys[1], (64, 32, 4, 1, "swap"))
+        tiles.set_config(keys[0], (4, 32, 4, 1, "fma"))
+        tiles.set_config(keys[1], (64, 32, 4, 1, "swap"))
         r, scaled, out = chain()
         assert scaled.sumsq.shape[0] == 275
     torch.testing.assert_close(r.float(), res_ref.float(), **MM_TOL)
@@ -323,7 +336,7 @@ def test_fused_triton_path_speculation_equals_plain(tiny_llama, tiny_draft, monk
               "num_speculative_tokens": 3}, None]
     llm = LLM(model=str(tiny_llama), speculative={"method": "none"},
               attention_backend="triton")
-    llm.engine.runner.model.fused = True
+    llm.engine.runner.model.kernels = fused_kernels(skinny_tune=SKINNY_TUNE)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, speculative=s)
               for s in specs]
     outs = llm.generate(prompts, params)

@@ -115,6 +115,30 @@ def test_cli_defaults() -> None:
         named("oops", "--eagle-heads")
 
 
+def test_cli_runtime_switches(monkeypatch) -> None:
+    """The CLIs alone read the SPECDEC_* run switches, into the engine's RuntimeConfig, with
+    --no-overlap and --no-spec-overlap on top."""
+    from server.cli import build_parser, engine_kwargs
+    from specdec.cli_options import runtime_from_env
+    from specdec.config import RuntimeConfig
+
+    for name in ("SPECDEC_TUNE_GRAPHS", "SPECDEC_TUNE_CONTEXT", "SPECDEC_TUNING_CACHE",
+                 "SPECDEC_PDL", "SPECDEC_SKINNY_TUNE"):
+        monkeypatch.delenv(name, raising=False)
+    assert engine_kwargs(build_parser().parse_args([]))["runtime"] == RuntimeConfig()
+    monkeypatch.setenv("SPECDEC_TUNE_GRAPHS", "0")
+    monkeypatch.setenv("SPECDEC_TUNE_CONTEXT", "256")
+    monkeypatch.setenv("SPECDEC_TUNING_CACHE", "0")
+    monkeypatch.setenv("SPECDEC_PDL", "1")
+    monkeypatch.setenv("SPECDEC_SKINNY_TUNE", "0")
+    rt = engine_kwargs(build_parser().parse_args(["--no-overlap", "--no-spec-overlap"]))["runtime"]
+    assert rt == RuntimeConfig(overlap=False, spec_overlap=False, tune_graphs=False,
+                               tune_context=256, tuning_cache=False, pdl=True, skinny_tune=False)
+    assert runtime_from_env({}, overlap=True) == RuntimeConfig(overlap=True)
+    with pytest.raises(SystemExit):
+        runtime_from_env({"SPECDEC_TUNE_CONTEXT": "1k"})
+
+
 def test_bad_bodies_are_400_or_413_not_500() -> None:
     async def go() -> None:
         async with client(max_body_bytes=4096) as c:

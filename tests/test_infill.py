@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,10 +15,11 @@ from test_server_unit import client, run
 from server.prompts import PromptBuilder
 from server.protocol import GenerationRequest
 from specdec.detokenizer import IncrementalDetokenizer
+from specdec.output_builder import OutputBuilder
+from specdec.request import NO_SPECULATION, Request
 from specdec.sampler import infill_filter
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
-from specdec.step_results import finish_check
 from specdec.stop_rules import SuffixRepeat, TextRules, past_budget
 
 # The bodies the plugins send, field for field (llama.vim's autoload/llama.vim `llama#fim`, the
@@ -235,16 +235,16 @@ class CharTokenizer:
 
 def settle(params: SamplingParams, steps: list[str], started: float | None = None,
            sent: list[str] | None = None) -> tuple[str, str | None, Any]:
-    """Feed `steps` (each a step's new text, a token per character) through finish_check as
+    """Feed `steps` (each a step's new text, a token per character) through stop_check as
     the engine does; return (output text, finish reason, stop_reason). `sent` gets what a
     stream would have sent, step by step, and the output's tokens as text."""
     detok = IncrementalDetokenizer(CharTokenizer(), [ord("#")], stops=params.stop,
                                    rules=TextRules.of(params))
     seq = Sequence("r", [ord("#")], params)
-    engine = SimpleNamespace(_eos={0}, _detok={"r": detok})
+    req, builder = Request(seq, NO_SPECULATION, None, detok, None), OutputBuilder({0})
     for text in steps:
         now = time.monotonic()
-        kept, reason = finish_check(engine, seq, [ord(c) for c in text], now)
+        kept, reason = builder.stop_check(req, [ord(c) for c in text], now)
         if seq.first_token_time is None:
             seq.first_token_time = now if started is None else started
         seq.output_token_ids += kept
@@ -258,7 +258,7 @@ def settle(params: SamplingParams, steps: list[str], started: float | None = Non
     return detok.text, None, None
 
 
-def test_rules_in_the_engine_finish_check() -> None:
+def test_rules_in_the_engine_stop_check() -> None:
     p = SamplingParams(max_tokens=100, fim_suffix="    return x\n", fim_line_start=True)
     text, reason, why = settle(p, ["    y = 1\n", "    ret", "urn x\n", "more"])
     assert (text, reason, why) == ("    y = 1\n", "stop", "    return x")

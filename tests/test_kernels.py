@@ -21,16 +21,13 @@ if ON_CUDA and not torch.cuda.is_available():
 import triton  # noqa: E402,F401  (imported after TRITON_INTERPRET is settled)
 
 from drafters.tree import DraftTree  # noqa: E402
-from specdec.attention import (  # noqa: E402
-    AttentionMetadata,
-    TorchAttentionBackend,
-    paged_attention_ref,
-    write_kv_ref,
-)
-from specdec.verifier import verify_tree  # noqa: E402
-from verify_kernels import accept_tree, compact_kv, compact_kv_ref, paged_attention  # noqa: E402
+from specdec.attention import TorchAttentionBackend  # noqa: E402
+from specdec.attention_metadata import AttentionMetadata  # noqa: E402
+from verify_kernels.acceptance import accept_tree  # noqa: E402
 from verify_kernels.backend import TritonAttentionBackend  # noqa: E402
-from verify_kernels.kv_ops import write_kv  # noqa: E402
+from verify_kernels.kv_ops import compact_kv, compact_kv_ref, write_kv  # noqa: E402
+from verify_kernels.paged_attention import paged_attention  # noqa: E402
+from verify_kernels.reference import paged_attention_ref, verify_tree, write_kv_ref  # noqa: E402
 
 DEV = torch.device("cuda" if ON_CUDA else "cpu")
 DTYPE = torch.bfloat16 if ON_CUDA else torch.float32

@@ -7,9 +7,9 @@ import torch
 from tiny_models import make_model
 
 from specdec.engine import LLMEngine
-from specdec.model_runner import Segment
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
+from specdec.step_inputs import Segment
 
 
 def our_logits(engine: LLMEngine, ids: list[int], chunk: int) -> torch.Tensor:

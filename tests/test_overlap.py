@@ -1,6 +1,6 @@
-"""Overlapped plain decoding (specdec/overlap.py) gives the outputs of step-by-step decoding.
+"""Chained plain decoding (specdec/chaining.py) gives the outputs of step-by-step decoding.
 
-On the CPU every op is synchronous, so these tests check the pipeline's bookkeeping (device
+On the CPU every op is synchronous, so these tests check the chain's bookkeeping (device
 tokens as inputs, KV commits one step behind, dropped work past a stop, draining on any
 change of batch); the GPU runs the same code with the host work overlapped.
 """
@@ -28,8 +28,8 @@ def test_overlapped_batch_equals_stepwise(tiny_llama):
     lm = llm(tiny_llama, True)
     outs = lm.generate(PROMPTS, GREEDY)
     assert summary(outs) == summary(ref)
-    assert lm.engine.pipeline.chained_steps >= 20
-    assert lm.engine.pipeline.in_flight is None
+    assert lm.engine.chainer.chained_steps >= 20
+    assert lm.engine.in_flight is None
     assert lm.engine.blocks.num_used == 0
 
 
@@ -66,7 +66,7 @@ def test_sampled_decoding_overlapped_is_the_same_draw(tiny_llama):
     want = summary(llm(tiny_llama, False).generate(PROMPTS, params))
     lm = llm(tiny_llama, True)
     assert summary(lm.generate(PROMPTS, params)) == want
-    assert lm.engine.pipeline.chained_steps >= 10 and lm.engine.blocks.num_used == 0
+    assert lm.engine.chainer.chained_steps >= 10 and lm.engine.blocks.num_used == 0
 
 
 def test_arrivals_and_aborts_drain_the_pipeline(tiny_llama):
@@ -98,7 +98,7 @@ def test_arrivals_and_aborts_drain_the_pipeline(tiny_llama):
     # A sampled request gives what it gives alone with its seed.
     alone = llm(tiny_llama, False).generate([PROMPTS[2]], sampled)[0].token_ids
     assert done["r2"].token_ids == alone
-    assert eng.pipeline.chained_steps > 0 and eng.blocks.num_used == 0
+    assert eng.chainer.chained_steps > 0 and eng.blocks.num_used == 0
     assert all(r == 0 for r in eng.blocks.ref_counts)
 
 
@@ -135,7 +135,7 @@ def test_speculative_steps_read_back_a_step_late(tiny_llama, tiny_draft):
     def run(overlap: bool):
         lm = LLM(model=str(tiny_llama), speculative=draft, overlap=overlap, block_size=4)
         outs = lm.generate(prompts, params)
-        assert lm.engine._pending is None and lm.engine.blocks.num_used == 0
+        assert lm.engine.in_flight is None and lm.engine.blocks.num_used == 0
         return spec_summary(outs)
 
     want = run(False)

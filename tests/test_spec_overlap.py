@@ -1,10 +1,10 @@
-"""Overlapped speculative decoding (specdec/spec_overlap.py) gives the outputs of plain greedy
-decoding, and its on-device step inputs are the ones the host would have packed.
+"""Chained speculative steps (specdec/chaining.py) give the outputs of plain greedy decoding,
+and their on-device step inputs are the ones the host would have packed.
 
-On the CPU the pipeline builds each chained step from host lists (the "device" is the host), so
-the engine tests check its bookkeeping: KV commits a step behind, blocks reserved two steps
-ahead, work past a stop dropped, a shrinking batch carried on, arrivals draining it. The
-in-place fix of a graph step's staged inputs (`chain_inputs`) is checked here against
+On the CPU each chained step is built from host lists (the "device" is the host), so the
+engine tests check the bookkeeping: KV commits a step behind, blocks reserved two steps ahead,
+work past a stop dropped, a shrinking batch carried on, arrivals ending the chain. The in-place
+fix of a graph step's staged inputs (`step_inputs.advance_staged`) is checked here against
 `pack_step` of the steps the host would have built.
 """
 
@@ -19,9 +19,8 @@ from drafters import replay
 from drafters.tree import row_shape
 from specdec import LLM, SamplingParams
 from specdec.device_drafts import TableDrafts
-from specdec.graph_inputs import Layout, pack_step
-from specdec.model_runner import Segment
-from specdec.spec_overlap import InFlight, TreeShape, accept_greedy, chain_inputs
+from specdec.step_inputs import Layout, Segment, advance_staged, pack_step
+from specdec.verdict import TreeShape, accept_greedy
 
 PROMPTS = PROMPTS[:4]
 
@@ -59,8 +58,8 @@ def test_overlapped_steps_equal_plain(tiny_llama, plain, rate, branches):
     outs = lm.generate(PROMPTS, spec_params(rate, branches=branches, max_tokens=48))
     assert summary(outs) == summary(plain)
     eng = lm.engine
-    assert eng.spec_pipeline.chained_steps >= 8
-    assert eng.spec_pipeline.in_flight is None and eng.blocks.num_used == 0
+    assert eng.chainer.chained_steps >= 8
+    assert eng.in_flight is None and eng.blocks.num_used == 0
     spec = eng.spec_totals["replay"]
     if rate == 0.0:  # drafts on the script are all accepted (past its end they are random)
         assert spec.emitted_tokens / spec.steps > 3.4
@@ -80,7 +79,7 @@ def test_tau_of_overlapped_steps_follows_the_rate(tiny_llama, plain):
             outs = lm.generate(prompts, spec_params(rate, k=k, branches=branches,
                                                     max_tokens=48))
             assert [o.token_ids for o in outs] == [o.token_ids for o in plain] * 6
-            assert (lm.engine.spec_pipeline.chained_steps > 0) == overlap
+            assert (lm.engine.chainer.chained_steps > 0) == overlap
             s = lm.engine.spec_totals["replay"]
             taus[branches, overlap] = s.emitted_tokens / s.steps
     assert abs(taus[1, True] - replay.expected_tau(rate, k)) < 0.45, taus
@@ -100,7 +99,7 @@ def test_stops_lengths_and_arrivals(tiny_llama, plain):
     want = summary(llm(tiny_llama, False).generate(PROMPTS, params))
     lm = llm(tiny_llama, True)
     assert summary(lm.generate(PROMPTS, params)) == want
-    assert lm.engine.spec_pipeline.chained_steps > 0 and lm.engine.blocks.num_used == 0
+    assert lm.engine.chainer.chained_steps > 0 and lm.engine.blocks.num_used == 0
 
     eng = lm.engine
     done = {}
@@ -126,7 +125,7 @@ def test_off_when_asked(tiny_llama, plain):
              spec_overlap=False, block_size=4)
     outs = lm.generate(PROMPTS, spec_params(0.2, max_tokens=20))
     assert [o.token_ids for o in outs] == [o.token_ids[:20] for o in plain]
-    assert lm.engine.spec_pipeline.chained_steps == 0
+    assert lm.engine.chainer.chained_steps == 0
 
 
 def test_not_taken_for_sampling_or_host_drafters(tiny_llama, plain):
@@ -138,17 +137,17 @@ def test_not_taken_for_sampling_or_host_drafters(tiny_llama, plain):
     sampled = SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True,
                              speculative={"method": "replay", "num_speculative_tokens": 3})
     lm.generate(PROMPTS[:1], sampled)
-    assert lm.engine.spec_pipeline.chained_steps == 0
+    assert lm.engine.chainer.chained_steps == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="overlapped steps on a GPU")
 @pytest.mark.parametrize("method,branches", [("replay", 1), ("replay", 2), ("ngram", 1)])
-def test_overlapped_steps_on_cuda_equal_plain(tiny_llama, plain, method, branches):
+def test_overlapped_steps_on_cuda_equal_plain(tiny_llama, plain, method, branches, runtime):
     """The device path itself: graph replays with their inputs moved on in place, acceptance
     and KV compaction on the device, the host reading step n back while step n+1 runs."""
     def cuda_llm() -> LLM:
         return LLM(model=str(tiny_llama), speculative={"method": "none"}, device="cuda",
-                   num_blocks=256)
+                   num_blocks=256, runtime=runtime)
 
     plain_outs = cuda_llm().generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48,
                                                              ignore_eos=True))
@@ -157,15 +156,15 @@ def test_overlapped_steps_on_cuda_equal_plain(tiny_llama, plain, method, branche
         for p, o in zip(PROMPTS, plain_outs):
             replay.record(p, o.token_ids)
         lm = cuda_llm()
-        assert lm.engine.runner.graphs is not None and lm.engine.spec_pipeline.enabled
+        assert lm.engine.runner.graphs is not None and lm.engine.chainer.speculative
         params = spec_params(0.4, branches=branches, max_tokens=48)
         if method == "ngram":  # prompt lookup drafted on the device (specdec/device_drafts.py)
             params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=48, speculative={
                 "method": "ngram", "num_speculative_tokens": 4, "on_device": True})
         outs = lm.generate(PROMPTS, params)
         assert summary(outs) == summary(plain_outs)
-        assert lm.engine.spec_pipeline.chained_steps >= 8
-        assert lm.engine.spec_pipeline.in_flight is None and lm.engine.blocks.num_used == 0
+        assert lm.engine.chainer.chained_steps >= 8
+        assert lm.engine.in_flight is None and lm.engine.blocks.num_used == 0
     finally:  # the CPU script back, for the module's other tests
         replay.clear_recorded()
         for p, o in zip(PROMPTS, plain):
@@ -194,7 +193,7 @@ def test_accept_greedy():
 
 @pytest.mark.parametrize("q,parents", [(4, [-1, 0, 1]), (8, [-1, 0, 1]),
                                        (8, [-1, -1, 0, 0, 2, 2])])
-def test_chain_inputs_match_the_host_packing(q, parents):
+def test_advanced_inputs_match_the_host_packing(q, parents):
     """Staged from stale contexts, then moved on by the emitted counts on the "device": the
     buffers equal pack_step's of the segments the host would build after reading back."""
     g = torch.Generator().manual_seed(0)
@@ -208,7 +207,6 @@ def test_chain_inputs_match_the_host_packing(q, parents):
     emitted = torch.randint(0, 100, (n + 1, k + 1), generator=g)
     num = torch.tensor([2, 3, 1, 3])
     rows = torch.tensor([0, 1, 3])  # the in-flight step's row 2 finished
-    prev = InFlight([], [], TableDrafts(table), emitted, num, None)
     rs = row_shape(parents)
 
     def segs(contexts, tokens, staged):
@@ -225,7 +223,8 @@ def test_chain_inputs_match_the_host_packing(q, parents):
         return torch.from_numpy(h64), torch.from_numpy(h32)
 
     d64, d32 = packed(segs(ctx, [[0] * m] * n, True))
-    ids, slots = chain_inputs(d64, d32, lay, bs, n, shape, prev, rows, TableDrafts(table))
+    ids, slots = advance_staged(d64, d32, lay, bs, n, shape, emitted, num, rows,
+                                TableDrafts(table))
     new_ctx = [c + int(num[r]) for c, r in zip(ctx, rows.tolist())]
     want_tokens = [[int(emitted[r, num[r] - 1])] + [
         int(table[i, c + rs.offsets[1 + j], shape.column[j]]) for j in range(m - 1)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.tree import DraftTree, ancestor_mask_of, chain, depths_of, row_shape
+from drafters.tree import DraftTree, ancestor_mask_of, chain, row_shape
 
 
 def test_batch_from_lists_has_offsets_depths_and_probs():
@@ -38,8 +38,7 @@ def test_invalid_trees_are_refused(trees, vocab, message):
 
 def test_depths_and_masks_per_shape():
     pars = [-1, 0, 0, 1, -1]
-    assert depths_of(pars) == (1, 2, 2, 3, 1)
-    assert depths_of(list(pars)) is depths_of(tuple(pars))  # cached by shape
+    assert row_shape(pars).offsets == (0, 1, 2, 2, 3, 1)
     mask = ancestor_mask_of(pars)
     assert mask.shape == (6, 6)
     # Node 3 (row 4) sees the root, node 0, node 1 and itself.
@@ -50,7 +49,7 @@ def test_depths_and_masks_per_shape():
 @pytest.mark.parametrize("pars", [[], [-1], [-1, 0, 1, 2], [-1, 0, 0, 1, -1]])
 def test_row_shape_matches_depths_and_mask(pars):
     shape = row_shape(pars)
-    depths = depths_of(pars)
+    depths = tuple(DraftTree.from_lists([(list(range(len(pars))), pars)]).depths.tolist())
     assert shape.offsets == (0, *depths)
     assert shape.logits_rows == tuple(range(1 + len(pars)))
     assert shape.depth == max(depths, default=0)

@@ -14,8 +14,8 @@ import torch
 from scipy.stats import chisquare
 
 from drafters.tree import DraftTree, chain
-from specdec import verifier
-from specdec.verifier import VerifyResult, verify_tree
+from verify_kernels import reference as verifier
+from verify_kernels.reference import VerifyResult, verify_tree
 
 V = 7
 COPIES = 20000

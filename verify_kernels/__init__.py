@@ -1,15 +1,9 @@
 """Triton kernels of the verification step: paged attention, KV writes and compaction, and
-on-device tree acceptance. Each sits behind a checked launcher beside its PyTorch reference."""
+on-device tree acceptance. Each sits behind a checked launcher beside its PyTorch reference;
+the references the engine runs as well (attention, KV writes, tree verification) are in
+`verify_kernels.reference`.
 
-from verify_kernels.acceptance import accept_tree
-from verify_kernels.kv_ops import compact_kv, compact_kv_ref, write_kv
-from verify_kernels.paged_attention import choose_num_splits, paged_attention
-
-__all__ = [
-    "accept_tree",
-    "choose_num_splits",
-    "compact_kv",
-    "compact_kv_ref",
-    "paged_attention",
-    "write_kv",
-]
+The package itself imports nothing: the CPU path loads `verify_kernels.reference`, which needs
+no Triton. Kernels are imported from their modules (`verify_kernels.paged_attention`,
+`verify_kernels.acceptance`, ...).
+"""

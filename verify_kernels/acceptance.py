@@ -1,6 +1,6 @@
 """On-device draft-tree acceptance for a whole batch in one launch.
 
-The rules and the reference are `specdec.verifier.verify_tree`; this kernel walks the same path
+The rules and the reference are `reference.verify_tree`; this kernel walks the same path
 with one program per sequence. The current target distribution r is kept lazily: either a row
 of `probs` with its normaliser s (r = row / s), or, after a rejection, a normalised residual in
 the sequence's row of a [B, V] float32 workspace. Every pass over r streams the vocabulary in
@@ -10,12 +10,16 @@ BLOCK_V chunks. Children are found by scanning the sequence's nodes after the cu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from drafters.tree import DraftTree
-from specdec.verifier import VerifyResult, verify_tree
+from verify_kernels.reference import VerifyResult, verify_tree
+
+if TYPE_CHECKING:
+    from drafters.tree import DraftTree
 
 __all__ = ["accept_tree", "verify_tree"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.attention import AttentionMetadata
+from specdec.attention_metadata import AttentionMetadata
 from verify_kernels import tree_attention as tree
 from verify_kernels.decode_attention import decode_attention
 from verify_kernels.fused_ops import rope_table
@@ -77,12 +77,13 @@ class TritonAttentionBackend:
         scale: float,
         num_splits: int | None = None,
         rope: torch.Tensor | None = None,  # `step_rope`'s factors (tree steps; None: made here)
+        pdl: bool = False,  # programmatic dependent launch for the decode kernel (pdl.py)
     ) -> torch.Tensor:  # [T, Hq, D]
         if num_splits is None:
             num_splits = choose_num_splits(meta, q.shape[1], k.shape[1], q.device)
         if meta.all_decode:
             return decode_attention(q, k, v, positions, inv_freq, rope_scaling, k_cache,
-                                    v_cache, meta, scale, num_splits)
+                                    v_cache, meta, scale, num_splits, pdl=pdl)
         return tree.tree_attention(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache,
                                    meta, scale, num_splits, rope=rope)
 

@@ -18,7 +18,7 @@ slower on the H200 and not kept: folding the merge into the last split to finish
 count (11.5 against 8.9 us per layer at batch 1); asking L2 for the o_proj weight during
 attention (step 1.5% slower: the attention's own loads wait behind it). Rounding follows the
 unfused path: rotated q and k are rounded to the model dtype before the products. The reference is
-`decode_attention_ref` (rotary and KV write, then `specdec.attention.paged_attention_ref`).
+`decode_attention_ref` (rotary and KV write, then `reference.paged_attention_ref`).
 """
 
 from __future__ import annotations
@@ -29,106 +29,21 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.attention import AttentionMetadata, paged_attention_ref
+from specdec.attention_metadata import AttentionMetadata
+from verify_kernels.attention_parts import (
+    attend_cached,
+    load_kv,
+    rotate,
+    store_empty,
+    store_result,
+)
 from verify_kernels.paged_attention import merge_splits
 from verify_kernels.pdl import pdl_args, pdl_wait_release
+from verify_kernels.reference import paged_attention_ref, write_kv_ref
 
 __all__ = ["decode_attention", "decode_attention_ref"]
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _rotate(x, xp, cos, sign_sin):
-    """x * cos + rotate_half(x) * sin, where xp is x read at (d + HALF) % D."""
-    return x.to(tl.float32) * cos + xp.to(tl.float32) * sign_sin
-
-
-@triton.jit
-def _load_kv(cols, hi, bt_row, k_base, v_base, d, stride_kb, stride_ks, stride_vb, stride_vs,
-             BLOCK_SIZE: tl.constexpr):
-    """K [D, BLOCK_N] and V [BLOCK_N, D] of cached columns `cols` below `hi`, through the
-    block table: both loads depend only on the page, so both are in flight together."""
-    col_ok = cols < hi
-    page = tl.load(bt_row + cols // BLOCK_SIZE, mask=col_ok, other=0).to(tl.int64)
-    in_page = (cols % BLOCK_SIZE).to(tl.int64)
-    k = tl.load(k_base + page[None, :] * stride_kb + in_page[None, :] * stride_ks + d[:, None],
-                mask=col_ok[None, :], other=0.0)
-    v = tl.load(v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs + d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    return k, v, col_ok
-
-
-@triton.jit
-def _attend_tile(q, m_i, l_i, acc, k, v, vis, scale_log2, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of q [BLOCK_M, D] over a loaded tile, K [D, N] and V [N, D], of
-    which `vis` ([BLOCK_M, N] or [1, N]) says what each row sees."""
-    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(vis, s, float("-inf"))  # [BLOCK_M, N]
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                        input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _softmax_start(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """(running max, running sum, accumulator) before any column."""
-    return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
-            tl.zeros([BLOCK_M, HEAD_DIM], tl.float32))
-
-
-@triton.jit
-def _attend_cached(q, k, v, col_ok, lo, hi, bt_row, k_base, v_base, d, stride_kb, stride_ks,
-                   stride_vb, stride_vs, scale_log2, BLOCK_M: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-    """Online softmax of q over the cached columns [lo, hi), whose first tile (k, v, col_ok)
-    the caller has loaded; each later tile's K and V load together, a tile ahead."""
-    m_i, l_i, acc = _softmax_start(BLOCK_M, HEAD_DIM)
-    n = tl.arange(0, BLOCK_N)
-    # The next tile's loads are in flight while this tile's products run: per layer at batch 1
-    # on the H200, decode 7.7 against 9.1 us, 8-row trees 13.1 against 13.8
-    # (bench/results/gpu_tiles_h200_20261201_prefetch.json).
-    for start in range(lo + BLOCK_N, hi, BLOCK_N):
-        k2, v2, ok2 = _load_kv(start + n, hi, bt_row, k_base, v_base, d, stride_kb, stride_ks,
-                               stride_vb, stride_vs, BLOCK_SIZE)
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
-                                     DOT_PRECISION)
-        k, v, col_ok = k2, v2, ok2
-    m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, col_ok[None, :], scale_log2,
-                                 DOT_PRECISION)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _store_result(acc, m_i, l_i, out_ptr, part_ptr, lse_ptr, o_off, p_off, l_off, d, row_ok,
-                  split, stride_ps, NUM_SPLITS: tl.constexpr):
-    """The normalised output of rows at offsets o_off ([BLOCK_M]); with splits, this split's
-    partial (at p_off) and its log2-sum-exp (at l_off) for the merge."""
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if NUM_SPLITS > 1:
-        tl.store(part_ptr + p_off[:, None] + split * stride_ps + d[None, :], o,
-                 mask=row_ok[:, None])
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
-        tl.store(lse_ptr + l_off + split, lse, mask=row_ok)
-    else:
-        tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-
-
-@triton.jit
-def _store_empty(part_ptr, lse_ptr, p_off, l_off, d, row_ok, split, stride_ps,
-                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """An empty partial (a split past the context), so that the merge reads nothing stale."""
-    tl.store(part_ptr + p_off[:, None] + split * stride_ps + d[None, :],
-             tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=row_ok[:, None])
-    tl.store(lse_ptr + l_off + split, tl.full([BLOCK_M], float("-inf"), tl.float32),
-             mask=row_ok)
 
 
 @triton.jit
@@ -181,26 +96,26 @@ def _decode_attn_kernel(
     v_base = v_cache_ptr + kvh * stride_vh
     # The first tile's cached columns were written by earlier steps: under PDL they load while
     # the qkv matmul before this kernel finishes (verify_kernels/pdl.py); q, k, v come after.
-    k, v, col_ok = _load_kv(lo + tl.arange(0, BLOCK_N), cache_hi, bt_row, k_base, v_base, d,
-                            stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
+    k, v, col_ok = load_kv(lo + tl.arange(0, BLOCK_N), cache_hi, bt_row, k_base, v_base, d,
+                           stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
     pdl_wait_release(USE_PDL)
     q_rows = q_ptr + b * stride_qb + head[:, None] * stride_qh
     qa = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
     qb = tl.load(q_rows + dp[None, :], mask=row_ok[:, None], other=0.0)
-    q = _rotate(qa, qb, cos[None, :], sign_sin[None, :]).to(qa.dtype)  # [BLOCK_M, D]
+    q = rotate(qa, qb, cos[None, :], sign_sin[None, :]).to(qa.dtype)  # [BLOCK_M, D]
     p_off = b * stride_pb + head * stride_ph
     l_off = b * stride_lb + head * stride_lh
     if lo >= hi:  # a split past the context: an empty partial, so the merge reads only L2
         if NUM_SPLITS > 1:
-            _store_empty(part_ptr, lse_ptr, p_off, l_off, d, row_ok, split, stride_ps, BLOCK_M,
-                         HEAD_DIM)
+            store_empty(part_ptr, lse_ptr, p_off, l_off, d, row_ok, split, stride_ps, BLOCK_M,
+                        HEAD_DIM)
     else:
-        m_i, l_i, acc = _attend_cached(q, k, v, col_ok, lo, cache_hi, bt_row, k_base, v_base, d,
-                                       stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-                                       BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
+        m_i, l_i, acc = attend_cached(q, k, v, col_ok, lo, cache_hi, bt_row, k_base, v_base, d,
+                                      stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+                                      BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
         if ctx < hi:  # this program holds the new column: rotate k, write k and v, score it
             k_row = k_ptr + b * stride_kb_new + kvh * stride_kh_new
-            kr = _rotate(tl.load(k_row + d), tl.load(k_row + dp), cos, sign_sin)
+            kr = rotate(tl.load(k_row + d), tl.load(k_row + dp), cos, sign_sin)
             kr = kr.to(q.dtype)  # [D], rounded as the cache stores it
             v_new = tl.load(v_ptr + b * stride_vb_new + kvh * stride_vh_new + d)  # [D]
             slot = tl.load(slot_ptr + b)
@@ -219,8 +134,8 @@ def _decode_attn_kernel(
             v_new = v_new.to(q.dtype).to(tl.float32)
             acc = acc * alpha[:, None] + p_new[:, None] * v_new[None, :]
             m_i = m_new
-        _store_result(acc, m_i, l_i, out_ptr, part_ptr, lse_ptr, b * stride_ob + head * stride_oh,
-                      p_off, l_off, d, row_ok, split, stride_ps, NUM_SPLITS)
+        store_result(acc, m_i, l_i, out_ptr, part_ptr, lse_ptr, b * stride_ob + head * stride_oh,
+                     p_off, l_off, d, row_ok, split, stride_ps, NUM_SPLITS)
 
 
 def _next_pow2(x: int) -> int:
@@ -255,6 +170,7 @@ def decode_attention(
     num_splits: int = 1,
     block_n: int | None = None,
     num_warps: int = 4,
+    pdl: bool = False,  # programmatic dependent launch (pdl.py)
 ) -> torch.Tensor:  # [B, Hq, D] in q's dtype
     """Rotary on q and k, k and v into the cache at `meta.slot_mapping`, and attention of each
     sequence's one query row over its context and itself. Reads nothing from the device on
@@ -298,7 +214,7 @@ def decode_attention(
         HEAD_DIM=d, GROUP=group, BLOCK_M=max(16, _next_pow2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=bs, NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=num_warps,
-        **pdl_args(dev),
+        **pdl_args(dev, pdl),
     )
     if splits > 1:
         merge_splits(out, part, lse)
@@ -307,7 +223,6 @@ def decode_attention(
 
 def decode_attention_ref(q, k, v, positions, inv_freq, rope_scaling, k_cache, v_cache, meta,
                          scale=None):
-    from specdec.attention import write_kv_ref
     from verify_kernels.fused_ops import rope_ref
 
     qr = rope_ref(q, positions, inv_freq, rope_scaling)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from verify_kernels.reference import write_kv_ref
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -239,8 +241,6 @@ def rope_write_kv(
 
 
 def rope_write_kv_ref(q, k, v, positions, inv_freq, scaling, k_cache, v_cache, slot_mapping):
-    from specdec.attention import write_kv_ref
-
     q.copy_(rope_ref(q, positions, inv_freq, scaling))
     keep = slot_mapping >= 0
     kr = rope_ref(k, positions, inv_freq, scaling)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.attention import write_kv_ref
+from verify_kernels.reference import write_kv_ref
 
 __all__ = ["compact_kv", "compact_kv_ref", "write_kv", "write_kv_ref"]
 

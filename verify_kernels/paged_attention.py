@@ -1,6 +1,6 @@
 """Paged attention over a ragged batch of prefill chunks, decode tokens and draft-tree nodes.
 
-One kernel serves every kind of query row (see `specdec.attention` for the metadata contract).
+One kernel serves every kind of query row (`specdec.attention_metadata` is the contract).
 A program owns a tile of BLOCK_Q query tokens of one sequence times the GROUP query heads that
 share one KV head, flattened into BLOCK_M = BLOCK_Q * GROUP_P rows, so each K/V tile read through
 the block table feeds every query head of the group. Tiles are numbered without a host-built
@@ -11,7 +11,7 @@ The KV range of a tile is walked in two loops: first the columns every row of th
 (the paged prefix, and for causal rows the earlier rows of the step) with no masking at all, then
 the rest with the causal or custom (tree) mask. The split-KV variant (flash decoding) partitions
 the same range over NUM_SPLITS programs, each writing a normalised partial output and its
-log-sum-exp; `_reduce_kernel` merges them. The reference is `specdec.attention.paged_attention_ref`.
+log-sum-exp; `_reduce_kernel` merges them. The reference is `reference.paged_attention_ref`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.attention import AttentionMetadata, paged_attention_ref
+from specdec.attention_metadata import AttentionMetadata
+from verify_kernels.reference import paged_attention_ref
 
 __all__ = ["choose_num_splits", "merge_splits", "paged_attention", "paged_attention_ref"]
 

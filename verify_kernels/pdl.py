@@ -17,10 +17,12 @@ Each of the others calls `release` right after its wait, so launches run at most
 (a kernel waiting early holds SM slots, and a deeper chain of them would crowd the one that
 is running). A kernel launched without PDL (any PyTorch op) just runs after its predecessor.
 
-Off unless SPECDEC_PDL=1 (compute capability 9 and up, never under TRITON_INTERPRET): on the
-H200 it made the batch-1 decode step 1% slower (4.22 against 4.18 ms) and the 8-row
-verification step 3% slower (bench/results/gpu_decode_attn_h200_20261130_pdl.json). The loads
-it would overlap are issued before the wait either way, which costs nothing without PDL.
+Off unless the launcher's caller passes `pdl=True` (the model's FusedKernels, from the
+engine's RuntimeConfig.pdl, which the CLIs set from SPECDEC_PDL=1), and then only at compute
+capability 9 and up, never under the interpreter: on the H200 it made the batch-1 decode step
+1% slower (4.22 against 4.18 ms) and the 8-row verification step 3% slower
+(bench/results/gpu_decode_attn_h200_20261130_pdl.json). The loads it would overlap are issued
+before the wait either way, which costs nothing without PDL.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED: bool = os.environ.get("SPECDEC_PDL", "0") == "1"
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its interpreter (TRITON_INTERPRET=1: Triton's own
+    switch, which the kernel tests set on the CPU): launch options for the GPU do not apply."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -40,10 +46,10 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_args(device: torch.device) -> dict:
-    """Launch keyword arguments: the kernel's USE_PDL constexpr and Triton's launch flag."""
-    if (not ENABLED or device.type != "cuda"
-            or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+def pdl_args(device: torch.device, enabled: bool = False) -> dict:
+    """Launch keyword arguments: the kernel's USE_PDL constexpr and Triton's launch flag, on
+    only when `enabled` and the device can."""
+    if not enabled or device.type != "cuda" or interpreting():
         return {"USE_PDL": False}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"USE_PDL": True, "launch_pdl": True} if _capable(index) else {"USE_PDL": False}
@@ -57,4 +63,4 @@ def pdl_wait_release(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-__all__ = ["ENABLED", "pdl_args", "pdl_wait_release"]
+__all__ = ["interpreting", "pdl_args", "pdl_wait_release"]

@@ -26,9 +26,10 @@ A program owns BLOCK_N output columns of every row and walks K. It reduces eithe
 dots over a 16-row tile: the x tile against the weight tile (the prologue then runs first as a
 kernel of its own: folded into that loop it stalled the weight pipeline, an 8-row step took
 11.0 ms instead of 5.25 on an H200), or swapped, the weight tile against x (skinny_tiles.py).
-Which, and the tile sizes, are chosen per shape and row count by timing on first use
-(skinny_tiles.py); the graph runner may then re-choose them by timing the whole captured step.
-The PyTorch reference is `skinny_linear_ref`.
+Which, and the tile sizes, are chosen per shape and row count by timing on first use, and
+kept in the caller's `tiles` (skinny_tiles.TileChoices); the graph runner may then re-choose
+them by timing the whole captured step. `pdl`: programmatic dependent launch (pdl.py), off
+unless the caller turns it on. The PyTorch reference is `skinny_linear_ref`.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from verify_kernels import skinny_tiles
 from verify_kernels.pdl import pdl_args, pdl_wait_release
+from verify_kernels.skinny_tiles import TileChoices
 
 MAX_ROWS = 16
 
@@ -219,16 +220,19 @@ def skinny_linear(
     residual: torch.Tensor | None = None,  # [M, N]; the result is written here when out is None
     out_dtype: torch.dtype | None = None,
     prenormed: ScaledRows | None = None,  # norm_weight's input, as the matmul before left it
+    tiles: TileChoices | None = None,  # the caller's tile choices; None: for this call alone
+    pdl: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """epilogue(linear(prologue(x), weight, bias)) (+ residual, in place): see the module
     docstring."""
     return _skinny(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                    gated=gated, residual=residual, out_dtype=out_dtype, prenormed=prenormed,
-                   emit_norm=None)[0]
+                   emit_norm=None, tiles=tiles, pdl=pdl)[0]
 
 
 def _skinny(x, weight, bias, *, norm_weight, eps, silu_mul, gated, residual, out_dtype,
-            prenormed, emit_norm) -> tuple[torch.Tensor, ScaledRows | None]:
+            prenormed, emit_norm, tiles: TileChoices | None, pdl: bool
+            ) -> tuple[torch.Tensor, ScaledRows | None]:
     """skinny_linear, and with `emit_norm` ([N], needs `residual`) also the ScaledRows that
     residual_linear hands on."""
     m = x.shape[0]
@@ -260,7 +264,8 @@ def _skinny(x, weight, bias, *, norm_weight, eps, silu_mul, gated, residual, out
     key = (rows, n, k, x.dtype, weight.dtype, norm_weight is not None, silu_mul,
            bias is not None, residual is not None, gated, prenormed is not None,
            emit_norm is not None)
-    skinny_tiles.record(key)
+    tiles = tiles if tiles is not None else TileChoices()
+    tiles.record(key)
 
     def launch(cfg: tuple, o: torch.Tensor, r: torch.Tensor | None) -> ScaledRows | None:
         bn, bk, warps, stages, kind = cfg
@@ -298,11 +303,10 @@ def _skinny(x, weight, bias, *, norm_weight, eps, silu_mul, gated, residual, out
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             PRENORMED=prenormed is not None, EMIT=emitted is not None,
             BLOCK_P=block_p,
-            num_warps=warps, num_stages=stages, **pdl_args(x.device))
+            num_warps=warps, num_stages=stages, **pdl_args(x.device, pdl))
         return emitted
 
-    return out, launch(skinny_tiles.choose(key, m, launch, out, residual, x.device), out,
-                       residual)
+    return out, launch(tiles.choose(key, m, launch, out, residual, x.device), out, residual)
 
 
 def skinny_linear_ref(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_mul=False,
@@ -337,13 +341,15 @@ def fused_linear(
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     prenormed: ScaledRows | None = None,
+    tiles: TileChoices | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """skinny_linear's contract at any row count: past MAX_ROWS the prologue and epilogue are
     kernels of their own around cuBLAS, where a launch is small beside the matmul."""
     if 0 < x.shape[0] <= MAX_ROWS:
         return skinny_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
                              silu_mul=silu_mul, gated=gated, residual=residual,
-                             out_dtype=out_dtype, prenormed=prenormed)
+                             out_dtype=out_dtype, prenormed=prenormed, tiles=tiles, pdl=pdl)
     from verify_kernels.fused_ops import rms_norm
     from verify_kernels.fused_ops import silu_mul as silu_mul_
 
@@ -365,11 +371,14 @@ def residual_linear(
     bias: torch.Tensor | None,  # [N]
     residual: torch.Tensor,  # [M, N], updated in place
     next_norm: torch.Tensor | None = None,  # [N] the weight of the RMSNorm that reads residual
+    tiles: TileChoices | None = None,
+    pdl: bool = False,
 ) -> ScaledRows | None:
     """residual += linear(x); at EMIT_MIN_ROWS..MAX_ROWS rows with `next_norm`, also that norm's
     input for the matmul after it (ScaledRows, pass it as `prenormed`), else None."""
     if next_norm is None or not EMIT_MIN_ROWS <= x.shape[0] <= MAX_ROWS:
-        fused_linear(x, weight, bias, residual=residual)
+        fused_linear(x, weight, bias, residual=residual, tiles=tiles, pdl=pdl)
         return None
     return _skinny(x, weight, bias, norm_weight=None, eps=0.0, silu_mul=False, gated=False,
-                   residual=residual, out_dtype=None, prenormed=None, emit_norm=next_norm)[1]
+                   residual=residual, out_dtype=None, prenormed=None, emit_norm=next_norm,
+                   tiles=tiles, pdl=pdl)[1]

@@ -1,19 +1,21 @@
 """Tile choice for the few-row matmul (skinny_gemm.py): the candidate tiles, timing them on
-first use of a shape, and the record of what was chosen, which the CUDA graph runner reads and
-overrides when it re-times the candidates inside the whole captured step (`recording_keys`,
-`candidates`, `set_config`).
+first use of a shape, and the record of what was chosen (`TileChoices`), which the CUDA graph
+runner reads and overrides when it re-times the candidates inside the whole captured step
+(`recording_keys`, `candidates`, `set_config`).
 
 A key is (rows rounded up to a power of two, N, K, dtypes, and which prologue and epilogue the
-call has); each key is timed once, never while a CUDA graph is being captured.
+call has); each key is timed once per TileChoices, never while a CUDA graph is being captured.
+The model owns its TileChoices (models/llama.py's FusedKernels) and passes it to every matmul.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 
 import torch
+
+from verify_kernels.pdl import interpreting
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, kind) tried per shape on the GPU. Kinds:
 # - "fma": FMAs, which allow narrow column tiles (more programs in flight for tall-K layers);
@@ -46,9 +48,6 @@ CONFIGS_SWAP = ((64, 64, 4, 8, "swap"), (64, 128, 4, 4, "swap"), (64, 128, 4, 6,
                 (64, 128, 4, 8, "swap"), (64, 256, 4, 3, "swap"), (64, 256, 4, 4, "swap"),
                 (128, 128, 4, 4, "swap"), (128, 128, 8, 3, "swap"))
 _INTERPRET_CONFIG = (32, 64, 4, 1)
-_CHOSEN: dict[tuple, Config] = {}
-_RAN: dict[tuple, list[Config]] = {}  # per key, the configs that ran
-_SEEN: list[tuple] | None = None  # keys launched inside `recording_keys`
 
 
 def configs_for(rows: int) -> tuple[Config, ...]:
@@ -58,85 +57,86 @@ def configs_for(rows: int) -> tuple[Config, ...]:
     return CONFIGS_DOT + (CONFIGS_FMA_ROWS if rows <= FMA_MAX_ROWS else ()) + CONFIGS_SWAP
 
 
-def choose(key: tuple, rows: int, launch: Callable, out: torch.Tensor,
-           residual: torch.Tensor | None, device: torch.device) -> Config:
-    """The config for `key`, timed among configs_for(rows) by `launch(cfg, out, residual)` on
-    first use (a default, not remembered, when that falls inside a CUDA graph capture)."""
-    cfg = _CHOSEN.get(key)
-    if cfg is None:
-        configs = configs_for(rows)
-        ran = _tune(launch, configs, out, residual, device, rows == 1)
-        if ran is None:  # capturing a CUDA graph: no timing now, and nothing remembered
-            return configs[1]
-        cfg, _RAN[key] = ran[0], ran
-        _CHOSEN[key] = cfg
-    return cfg
+class TileChoices:
+    """The tile chosen per key, and the configs that ran when it was chosen. `tune`: time the
+    candidates on a key's first use (False: take them in order, untimed; the kernel tests on
+    the GPU do, to skip the timing compiles)."""
 
+    def __init__(self, tune: bool = True) -> None:
+        self.tune = tune
+        self._chosen: dict[tuple, Config] = {}
+        self._ran: dict[tuple, list[Config]] = {}  # per key, the configs that ran
+        self._seen: list[tuple] | None = None  # keys launched inside `recording_keys`
 
-def record(key: tuple) -> None:
-    if _SEEN is not None and key not in _SEEN:
-        _SEEN.append(key)
+    def choose(self, key: tuple, rows: int, launch: Callable, out: torch.Tensor,
+               residual: torch.Tensor | None, device: torch.device) -> Config:
+        """The config for `key`, timed among configs_for(rows) by `launch(cfg, out, residual)`
+        on first use (a default, not remembered, when that falls inside a CUDA graph
+        capture)."""
+        cfg = self._chosen.get(key)
+        if cfg is None:
+            configs = configs_for(rows)
+            ran = _tune(launch, configs, out, residual, device, rows == 1, self.tune)
+            if ran is None:  # capturing a CUDA graph: no timing now, and nothing remembered
+                return configs[1]
+            cfg, self._ran[key] = ran[0], ran
+            self._chosen[key] = cfg
+        return cfg
 
+    def record(self, key: tuple) -> None:
+        if self._seen is not None and key not in self._seen:
+            self._seen.append(key)
 
-def forget() -> None:
-    """Drops every choice (the next call of each shape times its candidates again)."""
-    _CHOSEN.clear()
-    _RAN.clear()
+    def forget(self) -> None:
+        """Drops every choice (the next call of each shape times its candidates again)."""
+        self._chosen.clear()
+        self._ran.clear()
 
+    def chosen_configs(self) -> dict[tuple, Config]:
+        return dict(self._chosen)
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    @contextlib.contextmanager
+    def recording_keys(self) -> Iterator[list[tuple]]:
+        """Collects the config keys of every skinny_linear call made inside the block with
+        these choices, in order."""
+        keys: list[tuple] = []
+        self._seen = keys
+        try:
+            yield keys
+        finally:
+            self._seen = None
+
+    def candidates(self, key: tuple) -> list[Config]:
+        """The configs that ran for `key` when it was tuned (fastest alone first)."""
+        return list(self._ran.get(key, ()))
+
+    def config_of(self, key: tuple) -> Config | None:
+        return self._chosen.get(key)
+
+    def set_config(self, key: tuple, cfg: Config) -> None:
+        self._chosen[key] = cfg
 
 
 def _tune(launch, configs, out: torch.Tensor, residual: torch.Tensor | None,
-          device: torch.device, one_row: bool) -> list[Config] | None:
+          device: torch.device, one_row: bool, timed: bool = True) -> list[Config] | None:
     """The configs that ran, fastest first, timed on scratch outputs (the residual must not
     accumulate); None while a CUDA graph is being captured. Off the GPU: one small tile, FMAs
-    at one row, dots past it. With SPECDEC_SKINNY_TUNE=0, all of them untimed, in order."""
-    if _interpreting() or device.type != "cuda":
+    at one row, dots past it. Without `timed`, all of them untimed, in order."""
+    if interpreting() or device.type != "cuda":
         return [(*_INTERPRET_CONFIG, "fma" if one_row else "dot")]
     if torch.cuda.is_current_stream_capturing():
         return None
-    if os.environ.get("SPECDEC_SKINNY_TUNE", "1") == "0":  # kernel tests: no timing compiles
+    if not timed:
         return list(configs)
     from triton.testing import do_bench
 
     scratch = torch.empty_like(out)
     res = residual.clone() if residual is not None else None
-    timed = []
+    timed_cfgs = []
     for cfg in configs:
         try:
-            timed.append((do_bench(lambda cfg=cfg: launch(cfg, scratch, res), warmup=5,
-                                   rep=20), cfg))
+            timed_cfgs.append((do_bench(lambda cfg=cfg: launch(cfg, scratch, res), warmup=5,
+                                        rep=20), cfg))
         except Exception:  # a config this GPU cannot fit (shared memory, registers)
             continue
-    return [cfg for _, cfg in sorted(timed)] or [configs[1]]
-
-
-def chosen_configs() -> dict[tuple, Config]:
-    return dict(_CHOSEN)
-
-
-@contextlib.contextmanager
-def recording_keys() -> Iterator[list[tuple]]:
-    """Collects the config keys of every skinny_linear call made inside the block, in order."""
-    global _SEEN
-    keys: list[tuple] = []
-    _SEEN = keys
-    try:
-        yield keys
-    finally:
-        _SEEN = None
-
-
-def candidates(key: tuple) -> list[Config]:
-    """The configs that ran for `key` when it was tuned (fastest alone first)."""
-    return list(_RAN.get(key, ()))
-
-
-def config_of(key: tuple) -> Config | None:
-    return _CHOSEN.get(key)
-
-
-def set_config(key: tuple, cfg: Config) -> None:
-    _CHOSEN[key] = cfg
+    return [cfg for _, cfg in sorted(timed_cfgs)] or [configs[1]]

@@ -22,10 +22,10 @@ loads: query starts, the owning sequence, its context, the block table, K, then 
   15.0 against 13.8 us per layer at 8 rows, 11.8 against 11.0 at 2 (16 splits,
   bench/results/gpu_tiles_h200_20261201.json). It is split 0 so that it is dispatched first:
   with 8 warps a program holds about a whole SM's registers (247 per thread at 8 rows, sm_90,
-  Triton 3.6: bench/kernel_registers.py), so a grid with more programs than SMs runs in
-  waves. Since the table its work is off the critical path (the layer takes as long with the
-  owner idle). More splits with one KV tile each, 128-column tiles, or registers capped so
-  that two programs share an SM were all slower
+  Triton 3.6: bench/investigations/kernel_registers.py), so a grid with more programs than
+  SMs runs in waves. Since the table its work is off the critical path (the layer takes as
+  long with the owner idle). More splits with one KV tile each, 128-column tiles, or registers
+  capped so that two programs share an SM were all slower
   (bench/results/gpu_tiles_h200_20261201_wide.json).
 
 A program's BLOCK_M rows are Q query tokens times the GROUP query heads of its KV head (padded
@@ -45,25 +45,25 @@ reference is `decode_attention.decode_attention_ref`.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from specdec.attention import AttentionMetadata
-from verify_kernels.decode_attention import (
-    _attend_cached,
-    _attend_tile,
-    _load_kv,
-    _rotate,
-    _softmax_start,
-    _store_empty,
-    _store_result,
-    supported,
+from specdec.attention_metadata import AttentionMetadata
+from verify_kernels.attention_parts import (
+    attend_cached,
+    attend_tile,
+    load_kv,
+    rotate,
+    softmax_start,
+    store_empty,
+    store_result,
 )
+from verify_kernels.decode_attention import supported
 from verify_kernels.fused_ops import rope_table
 from verify_kernels.paged_attention import merge_splits
+from verify_kernels.pdl import interpreting
 
 __all__ = ["MAX_Q", "MAX_SEQS", "fuses", "takes", "tree_attention"]
 
@@ -83,8 +83,8 @@ MAX_SEQS = 4
 # morning's code (gpu_engine_h200_20261201_qwen_quick.json), whose 8-row step was 0.5 ms
 # slower than now. Such steps take the two launches: 1.315 decode steps with this rule
 # (gpu_engine_qwen_h200_20261201_long.json, another machine). The kernel itself has not been
-# timed side by side on these heads at 16 rows (bench/gpu_tiles.py --part attention --shape
-# qwen2.5-7b-shape).
+# timed side by side on these heads at 16 rows (bench/investigations/gpu_tiles.py --part
+# attention --shape qwen2.5-7b-shape).
 MAX_PROGRAM_ROWS = 64
 KERNEL_MAX_Q = 16
 # Rows a program takes when a call names no row blocks (`tree_attention`): BLOCK_M rows in
@@ -155,33 +155,33 @@ def _tree_attn_kernel(
     bt_row = block_tables_ptr + b * stride_bt
     k_base = k_cache_ptr + kvh * stride_kh
     v_base = v_cache_ptr + kvh * stride_vh
-    k, v, col_ok = _load_kv(lo + tl.arange(0, BLOCK_N), hi, bt_row, k_base, v_base, d,
-                            stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
+    k, v, col_ok = load_kv(lo + tl.arange(0, BLOCK_N), hi, bt_row, k_base, v_base, d,
+                           stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
     p_off = tok * stride_pt + head * stride_ph
     l_off = tok * stride_lt + head * stride_lh
     if idle:  # past the context, not the owner: an empty partial (the merge reads L2)
-        _store_empty(part_ptr, lse_ptr, p_off, l_off, d, row_ok, split, stride_ps, BLOCK_M,
-                     HEAD_DIM)
+        store_empty(part_ptr, lse_ptr, p_off, l_off, d, row_ok, split, stride_ps, BLOCK_M,
+                    HEAD_DIM)
     else:
-        q = _rotate(qa, qb, cos, sin).to(qa.dtype)  # [BLOCK_M, D]
+        q = rotate(qa, qb, cos, sin).to(qa.dtype)  # [BLOCK_M, D]
         if lo < hi:
-            m_i, l_i, acc = _attend_cached(q, k, v, col_ok, lo, hi, bt_row, k_base, v_base, d,
-                                           stride_kb, stride_ks, stride_vb, stride_vs,
-                                           scale_log2, BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                                           DOT_PRECISION)
+            m_i, l_i, acc = attend_cached(q, k, v, col_ok, lo, hi, bt_row, k_base, v_base, d,
+                                          stride_kb, stride_ks, stride_vb, stride_vs,
+                                          scale_log2, BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
+                                          DOT_PRECISION)
         else:
-            m_i, l_i, acc = _softmax_start(BLOCK_M, HEAD_DIM)
+            m_i, l_i, acc = softmax_start(BLOCK_M, HEAD_DIM)
         if owner:  # the step's own columns: rotate k, write k and v, score them
             j = tl.arange(0, NEW_P)
             j_ok = j < q_len
             jtok = b * q_len + j
             k_rows = k_ptr + jtok[:, None] * stride_kt + kvh * stride_kh_new
             j_rows = rope_ptr + jtok[:, None] * (2 * HEAD_DIM) + d[None, :]
-            kr = _rotate(tl.load(k_rows + d[None, :], mask=j_ok[:, None], other=0.0),
-                         tl.load(k_rows + dp[None, :], mask=j_ok[:, None], other=0.0),
-                         tl.load(j_rows, mask=j_ok[:, None], other=0.0),
-                         tl.load(j_rows + HEAD_DIM, mask=j_ok[:, None], other=0.0),
-                         ).to(q.dtype)  # [NEW_P, D]
+            kr = rotate(tl.load(k_rows + d[None, :], mask=j_ok[:, None], other=0.0),
+                        tl.load(k_rows + dp[None, :], mask=j_ok[:, None], other=0.0),
+                        tl.load(j_rows, mask=j_ok[:, None], other=0.0),
+                        tl.load(j_rows + HEAD_DIM, mask=j_ok[:, None], other=0.0),
+                        ).to(q.dtype)  # [NEW_P, D]
             vn = tl.load(v_ptr + jtok[:, None] * stride_vt + kvh * stride_vh_new + d[None, :],
                          mask=j_ok[:, None], other=0.0)  # [NEW_P, D]
             slot = tl.load(slot_ptr + jtok, mask=j_ok, other=-1)
@@ -200,11 +200,11 @@ def _tree_attn_kernel(
                 bits = tl.load(custom_mask_ptr + base + t[:, None] * q_len + j[None, :],
                                mask=row_ok[:, None] & j_ok[None, :] & custom[None, :], other=0)
                 vis = tl.where(custom[None, :], bits != 0, vis)
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tl.trans(kr), vn, vis & j_ok[None, :],
-                                         scale_log2, DOT_PRECISION)
-        _store_result(acc, m_i, l_i, out_ptr, part_ptr, lse_ptr,
-                      tok * stride_ot + head * stride_oh, p_off, l_off, d, row_ok, split,
-                      stride_ps, NUM_SPLITS)
+            m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, tl.trans(kr), vn, vis & j_ok[None, :],
+                                        scale_log2, DOT_PRECISION)
+        store_result(acc, m_i, l_i, out_ptr, part_ptr, lse_ptr,
+                     tok * stride_ot + head * stride_oh, p_off, l_off, d, row_ok, split,
+                     stride_ps, NUM_SPLITS)
 
 
 def _next_pow2(x: int) -> int:
@@ -213,8 +213,7 @@ def _next_pow2(x: int) -> int:
 
 def _register_cap(max_registers: int | None, device: torch.device) -> dict:
     """Launch keyword arguments capping registers per thread (none on the CPU)."""
-    if (max_registers is None or device.type != "cuda"
-            or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+    if max_registers is None or device.type != "cuda" or interpreting():
         return {}
     return {"maxnreg": max_registers}
 

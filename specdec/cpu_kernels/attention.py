@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.attention import AttentionMetadata
+from specdec.attention_metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.attention import AttentionMetadata
+from specdec.attention_metadata import AttentionMetadata
 from specdec.models.cpu_linear import cpu_linear
 from specdec.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from verify_kernels.skinny_gemm import ScaledRows
+    from verify_kernels.skinny_tiles import TileChoices
 
 
 # From this many rows (up to the few-row matmul's 16) the fused path's embedding lookup leaves
@@ -25,6 +26,16 @@ if TYPE_CHECKING:
 # steps timed alternately in one process) the hand-off made the 8-row step 5-10 us faster and
 # the 1-row step 8-13 us slower (bench/results/gpu_ab_h200_20261201.json).
 EMBED_HANDOFF_MIN_ROWS = 2
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """What the fused path hands its kernels (verify_kernels), made from the engine's
+    RuntimeConfig by the loader: the few-row matmul's tile choices (timed on first use,
+    re-timed inside whole steps by the CUDA graph runner) and programmatic dependent launch."""
+
+    tiles: TileChoices
+    pdl: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,14 +131,17 @@ class Attention(nn.Module):
         backend: Any,
         prenormed: ScaledRows | None,  # `norm`'s input as the matmul before left it
         next_norm: RMSNorm,  # the norm after the residual add, whose input o_proj may leave
+        kernels: FusedKernels,
         rope: torch.Tensor | None = None,  # the step's rotary factors (backend.step_rope)
     ) -> ScaledRows | None:
         from verify_kernels.fused_ops import rope_write_kv
         from verify_kernels.skinny_gemm import fused_linear, residual_linear
 
         t = res.shape[0]
+        tiles, pdl = kernels.tiles, kernels.pdl
         qkv = fused_linear(res, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=norm.weight,
-                           eps=norm.eps, prenormed=prenormed)  # [T, q + 2 kv]
+                           eps=norm.eps, prenormed=prenormed, tiles=tiles,
+                           pdl=pdl)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -137,12 +151,12 @@ class Attention(nn.Module):
         inv, rs = self.rotary.inv_freq, self.rotary.attention_scaling
         if hasattr(backend, "fuses") and backend.fuses(meta, self.group):  # rotary, KV inside
             o = backend.decode(q, k, v, positions, inv, rs, kv[0], kv[1], meta, self.scale,
-                               rope=rope)
+                               rope=rope, pdl=pdl)
         else:
             rope_write_kv(q, k, v, positions, inv, rs, kv[0], kv[1], meta.slot_mapping)
             o = backend.attend(q, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
         return residual_linear(o.view(t, self.q_size), self.o_proj.weight, self.o_proj.bias,
-                               res, next_norm.weight)
+                               res, next_norm.weight, tiles=tiles, pdl=pdl)
 
 
 class MLP(nn.Module):
@@ -178,8 +192,8 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
     def forward_fused(self, res, positions, meta, kv, backend, prenormed: ScaledRows | None,
-                      next_norm: RMSNorm | None, rope: torch.Tensor | None = None
-                      ) -> ScaledRows | None:
+                      next_norm: RMSNorm | None, kernels: FusedKernels,
+                      rope: torch.Tensor | None = None) -> ScaledRows | None:
         """The GPU path: `res` [T, hidden] is the residual stream, updated in place; norms and
         the activation ride inside the matmuls (verify_kernels/skinny_gemm.py). Each
         residual-writing matmul may leave the next norm's input (ScaledRows) for the matmul
@@ -188,12 +202,13 @@ class DecoderLayer(nn.Module):
 
         ln, mlp = self.post_attention_layernorm, self.mlp
         mid = self.self_attn.forward_fused(res, self.input_layernorm, positions, meta, kv,
-                                           backend, prenormed, ln, rope)
+                                           backend, prenormed, ln, kernels, rope)
         act = fused_linear(res, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                           norm_weight=ln.weight, eps=ln.eps, gated=True,
-                           prenormed=mid)  # [T, inter]
+                           norm_weight=ln.weight, eps=ln.eps, gated=True, prenormed=mid,
+                           tiles=kernels.tiles, pdl=kernels.pdl)  # [T, inter]
         return residual_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, res,
-                               next_norm.weight if next_norm is not None else None)
+                               next_norm.weight if next_norm is not None else None,
+                               tiles=kernels.tiles, pdl=kernels.pdl)
 
 
 class LlamaModel(nn.Module):
@@ -216,11 +231,16 @@ class LlamaForCausalLM(nn.Module):
         self.hf = hf
         self.model = LlamaModel(hf, flags)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        # Fused Triton norms, rotary and activation; switched on for CUDA by the loader.
-        self.fused = False
+        # Fused Triton norms, rotary and activation when set (for CUDA, by the loader); None
+        # runs the modules above.
+        self.kernels: FusedKernels | None = None
         self.lm_head = Linear(int(hf["hidden_size"]), int(hf["vocab_size"]), bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def fused(self) -> bool:
+        return self.kernels is not None
 
     def forward(
         self,
@@ -234,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final normed hidden states and the residual stream after each layer
         index in `capture_layers` (what EAGLE-style drafters consume)."""
         m = self.model
-        if self.fused:
+        if self.kernels is not None:
             from verify_kernels.fused_ops import embed_scaled, rms_norm
             from verify_kernels.skinny_gemm import EMIT_MIN_ROWS, MAX_ROWS, ScaledRows
 
@@ -255,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(m.layers):
                 nxt = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else None
                 prenormed = layer.forward_fused(res, positions, meta, kv_cache[i], backend,
-                                                prenormed, nxt, rope)
+                                                prenormed, nxt, self.kernels, rope)
                 if i in capture_layers:
                     captured.append(res.clone())
             return rms_norm(res, m.norm.weight, m.norm.eps), captured
@@ -270,8 +290,9 @@ class LlamaForCausalLM(nn.Module):
         return m.norm(x + residual), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, V]
-        if self.fused:
+        if self.kernels is not None:
             from verify_kernels.skinny_gemm import fused_linear
 
-            return fused_linear(hidden, self.lm_head.weight, out_dtype=torch.float32)
+            return fused_linear(hidden, self.lm_head.weight, out_dtype=torch.float32,
+                                tiles=self.kernels.tiles, pdl=self.kernels.pdl)
         return self.lm_head(hidden).float()

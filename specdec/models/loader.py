@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from specdec.models.llama import ARCHITECTURES, LlamaForCausalLM
+from specdec.models.llama import ARCHITECTURES, FusedKernels, LlamaForCausalLM
 
 # HF checkpoint name -> (our parameter name, shard index within a fused weight).
 _FUSED = {
@@ -61,9 +61,11 @@ def gguf_source(path: str | Path | None) -> Path | None:
 
 def build_model(hf: dict[str, Any], path: str | None, dtype: torch.dtype,
                 device: torch.device, load_format: str = "auto", quantization: str = "none",
-                cpu_kernel: str = "auto") -> LlamaForCausalLM:
+                cpu_kernel: str = "auto", pdl: bool = False,
+                skinny_tune: bool = True) -> LlamaForCausalLM:
     """quantization: "none" loads float weights of `dtype`; otherwise (a GGUF source on the CPU)
-    the linear layers and embeddings stay quantized (specdec/models/gguf_weights.py)."""
+    the linear layers and embeddings stay quantized (specdec/models/gguf_weights.py). `pdl`,
+    `skinny_tune`: the fused path's kernel settings (RuntimeConfig's fields of those names)."""
     arch = architecture_of(hf)
     with _skip_init():  # uninitialised CPU memory: no page is touched until a weight lands
         model = LlamaForCausalLM(hf, ARCHITECTURES[arch])
@@ -95,8 +97,16 @@ def build_model(hf: dict[str, Any], path: str | None, dtype: torch.dtype,
             load_weights(model, _tensors(Path(path)), str(path))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    model.fused = _can_fuse(model, device)
+    if _can_fuse(model, device):
+        model.kernels = fused_kernels(pdl, skinny_tune)
     return model.eval()
+
+
+def fused_kernels(pdl: bool = False, skinny_tune: bool = True) -> FusedKernels:
+    """The settings that switch a model onto the fused Triton path (`model.kernels`)."""
+    from verify_kernels.skinny_tiles import TileChoices
+
+    return FusedKernels(TileChoices(tune=skinny_tune), pdl=pdl)
 
 
 def release_freed_memory() -> None:

@@ -6,7 +6,8 @@ spills (or libdevice's slow-path sin/cos).
 The H200 runs Triton 3.6: for its counts, install `triton==3.6.0` into a separate venv and put
 its site-packages first on PYTHONPATH (the kernels need only its compiler):
 
-    PYTHONPATH=/tmp/t36/lib/python3.11/site-packages:. python3 bench/kernel_registers.py
+    PYTHONPATH=/tmp/t36/lib/python3.11/site-packages:. \\
+        python3 bench/investigations/kernel_registers.py
 
 With Triton 3.6: tree attention at 8 rows of 4 heads (32 rows a program, 8 warps) takes 247
 registers and no stack as built (4eaf325); at 8ff3e1d, whose owner issued all its loads first,

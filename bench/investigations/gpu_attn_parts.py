@@ -15,7 +15,8 @@ times mean something:
 `--source FILE` times another version of the kernel's module (say, an earlier commit's:
 `git show REV:verify_kernels/tree_attention.py > FILE`) under the same edits.
 
-    PYTHONPATH=. python3 bench/gpu_attn_parts.py --out DIR [--source FILE] [--tag NAME]
+    PYTHONPATH=. python3 bench/investigations/gpu_attn_parts.py --out DIR [--source FILE] \\
+        [--tag NAME]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
 
 import gpu_setup as gs
 from gpu_decode_attn import HKV, HQ, graph_us
@@ -40,7 +41,7 @@ EDITS = {
     "owner idle": (("        if owner:  # the step's own columns",
                     "        if False:  # the step's own columns"),),
     "owner only": (("    idle = (lo >= hi) & (split != 0)", "    idle = split != 0"),),
-    "no rope": (("        q = _rotate(qa, qb, cos, sin).to(qa.dtype)", "        q = qa"),),
+    "no rope": (("        q = rotate(qa, qb, cos, sin).to(qa.dtype)", "        q = qa"),),
     "no merge": (("        merge_splits(out, part, lse)", "        pass"),),
 }
 # (rows, query heads, KV heads, splits, tile columns, row blocks): what in-graph tuning kept.

@@ -4,7 +4,7 @@ times into a pageable buffer and, on a CUDA machine, into a pinned one; and the 
 the step's 16 segments. Compare with `pack_step (in execute)` in gpu_engine's host profile: the
 same work between two device steps.
 
-    PYTHONPATH=. python3 bench/pack_step.py
+    PYTHONPATH=. python3 bench/investigations/pack_step.py
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import time
 import torch
 
 from drafters.tree import ancestor_mask_of
-from specdec.graph_inputs import Layout, pack_step
-from specdec.model_runner import Segment
+from specdec.step_inputs import Layout, Segment, pack_step
 
 BATCH, ROWS, WIDTH, BLOCK = 16, 8, 256, 16
 STEPS = 200

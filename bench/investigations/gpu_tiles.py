@@ -22,9 +22,13 @@ step's own columns in a program of their own, the others in the last cached spli
 the current tile's products, as the kernels now do; "rope/token" took rotary angles once per
 query token: no faster, not kept).
 
-    PYTHONPATH=. SPECDEC_SKINNY_TUNE=0 python3 bench/gpu_tiles.py --out DIR
+    PYTHONPATH=. SPECDEC_SKINNY_TUNE=0 python3 bench/investigations/gpu_tiles.py --out DIR
     (--part matmuls --shape qwen2.5-7b-shape --rows 1 --one-row-all: every tile at one row
     on the Qwen2.5-7B shape)
+
+SPECDEC_SKINNY_TUNE=0 skips timing each matmul shape's candidates on first use (every tile is
+timed here anyway); SPECDEC_PDL=1 launches the matmuls and decode attention with programmatic
+dependent launch (specdec.cli_options.runtime_from_env reads both).
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
 
 import gpu_setup as gs
 from gpu_decode_attn import HKV, HQ, LAYERS, D, graph_us
@@ -57,11 +62,12 @@ ONE_ROW = {"qkv": (8, 1024, 4, 2, "fma"), "o_proj": (4, 1024, 4, 3, "fma"),
            "gate_up": (8, 1024, 4, 2, "fma"), "down": (4, 1024, 4, 3, "fma")}
 
 
-def role_call(role: str, rows: int, shape: str = "llama-3.1-8b-shape"):
+def role_call(role: str, rows: int, tiles, shape: str = "llama-3.1-8b-shape"):
     """call(layer): the role's matmul at `rows` rows, with the prologue and epilogue the fused
-    forward gives it."""
+    forward gives it, its tile looked up in `tiles` (a TileChoices)."""
     from verify_kernels.skinny_gemm import ScaledRows, residual_linear, skinny_linear
 
+    pdl = gs.bench_runtime().pdl
     dev, dt = "cuda", torch.bfloat16
     hidden, inter, hq, hkv = SHAPES[shape]
     n, k = {"qkv": ((hq + 2 * hkv) * D, hidden), "o_proj": (hidden, hidden),
@@ -72,9 +78,9 @@ def role_call(role: str, rows: int, shape: str = "llama-3.1-8b-shape"):
     if role in ("qkv", "gate_up"):
         pre = ScaledRows(x * g, torch.rand(64, rows, device=dev) * k / 64)
         return lambda i: skinny_linear(x, ws[i], norm_weight=g, gated=role == "gate_up",
-                                       prenormed=pre)
+                                       prenormed=pre, tiles=tiles, pdl=pdl)
     res = torch.zeros(rows, n, device=dev, dtype=dt)
-    return lambda i: residual_linear(x, ws[i], None, res, next_norm=g)
+    return lambda i: residual_linear(x, ws[i], None, res, next_norm=g, tiles=tiles, pdl=pdl)
 
 
 def matmuls(out: dict, save, shape: str, row_counts: tuple[int, ...],
@@ -84,12 +90,13 @@ def matmuls(out: dict, save, shape: str, row_counts: tuple[int, ...],
     16-row tile with 15 rows masked)."""
     from verify_kernels import skinny_tiles
 
+    tiles = gs.tile_choices()  # each key's tile is set below before it is timed
     table = out.setdefault("matmul_us_per_layer", {})
     out["matmul_shape"] = shape
     for role in ("o_proj", "down", "qkv", "gate_up"):
         for rows in row_counts:
-            call = role_call(role, rows, shape)
-            with skinny_tiles.recording_keys() as keys:
+            call = role_call(role, rows, tiles, shape)
+            with tiles.recording_keys() as keys:
                 call(0)
             key = keys[0]
             if rows == 1 and one_row_all:
@@ -104,7 +111,7 @@ def matmuls(out: dict, save, shape: str, row_counts: tuple[int, ...],
                                      + EXTRA_DOT + fma)
             times = {}
             for cfg in cfgs:
-                skinny_tiles.set_config(key, cfg)
+                tiles.set_config(key, cfg)
                 try:
                     times[str(cfg)] = round(graph_us(call), 2)
                 except Exception as e:  # a tile this GPU cannot fit
@@ -136,8 +143,10 @@ def attention_at(rows: int, hq: int = HQ, hkv: int = HKV, batch: int = 1) -> dic
         rope_write_kv(q, k, v, pos, inv, 1.0, caches[i][0], caches[i][1], slots)
         paged_attention(q, caches[i][0], caches[i][1], meta, 0.088, num_splits=splits)
 
+    kernel = (partial(decode_attention, pdl=gs.bench_runtime().pdl) if rows == 1
+              else tree_attention)
+
     def fused(i, **kw):
-        kernel = decode_attention if rows == 1 else tree_attention
         kernel(*qkv_of(i), pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088, **kw)
 
     row: dict = {}
@@ -206,6 +215,8 @@ def attention_wide_at(rows: int, hq: int = HQ, hkv: int = HKV) -> dict:
     from verify_kernels.tree_attention import tree_attention
 
     qkv_of, caches, pos, inv, meta, _ = tree_case(1, rows, hq, hkv)
+    kernel = (partial(decode_attention, pdl=gs.bench_runtime().pdl) if rows == 1
+              else tree_attention)
     row: dict = {}
     for splits, bn, warps, rb, cap in (WIDE if hkv >= 8 else WIDE_FEW_KV)[rows]:
         name = f"fused s{splits} n{bn} w{warps}" + (f" r{rb}" if rb > 1 else "") + (
@@ -215,7 +226,6 @@ def attention_wide_at(rows: int, hq: int = HQ, hkv: int = HKV) -> dict:
             kw.update(row_blocks=rb, max_registers=cap)
 
         def call(i, kw=kw):
-            kernel = decode_attention if rows == 1 else tree_attention
             kernel(*qkv_of(i), pos, inv, 1.0, caches[i][0], caches[i][1], meta, 0.088, **kw)
         try:
             row[name] = graph_us(call)

@@ -5,7 +5,7 @@ the dense problem. `GraphRunner` fixes one split count per bucket (graph_tuning.
 one split once batch x KV heads fills the SMs, e.g. batch 32); this shows what that leaves at
 4k-8k tokens.
 
-    PYTHONPATH=. python3 bench/gpu_decode_splits.py --out DIR
+    PYTHONPATH=. python3 bench/investigations/gpu_decode_splits.py --out DIR
 """
 
 from __future__ import annotations
@@ -13,11 +13,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+
 from kernels_gpu import BS, DEV, DT, HKV, HQ, D, build, fused_step, graph_us
 
 

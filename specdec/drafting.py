@@ -1,0 +1,207 @@
+"""Drafting: the drafter instances, each request's depth, proposals, and what drafters learn.
+
+One drafter instance per `Speculation.drafter_key` (method and what it is built from: a draft
+model, an EAGLE head), shared by every request that names it. A request's speculation is
+resolved and checked at admission (`resolve`): a bad option or a head that cannot be loaded is a
+ValueError before the request reaches a step. Each step, `depths` chooses every speculating
+decode's draft depth (its own k, or the controller's choice for adaptive requests, see
+specdec/spec_control.py) and `propose` asks each drafter for its requests' trees in one batch.
+After the target pass, drafters that consume target hidden states (EAGLE) get their rows
+(`observe_prefills`, `observe_verified`), and every drafter hears what was accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from drafters import Drafter, DraftRequest, check_speculative, drafter_class
+from drafters.tree import DraftTree
+from specdec.config import SpeculativeConfig
+from specdec.outputs import SpecMetrics
+from specdec.request import NO_SPECULATION, Request, Speculation
+from specdec.scheduler import StepPlan
+from specdec.spec_control import Candidate, SpeculationController, prior_for
+from specdec.step_inputs import NO_DRAFT, Draft
+
+# (method, source, options) -> a drafter: specdec.engine builds drafters for the target.
+DrafterFactory = Callable[[str, "str | None", dict], Drafter]
+
+
+class Drafting:
+    def __init__(self, default: SpeculativeConfig, build: DrafterFactory,
+                 adaptive_default: bool) -> None:
+        self.default = default
+        self._build = build
+        self.adaptive_default = adaptive_default
+        self.drafters: dict[tuple[str, str | None], Drafter] = {}
+        self.controller = SpeculationController()
+        self.totals: dict[str, SpecMetrics] = {}  # per method, over every request
+
+    # -- admission --------------------------------------------------------------------------
+    def resolve(self, override: dict[str, Any] | None) -> Speculation:
+        """A request's speculation: the engine's default, or its own dict, checked and with its
+        drafter built (a draft model or EAGLE head loads here, once per source)."""
+        if override is not None:
+            check_speculative(override)  # at admission: a bad option never reaches a step
+        sc = self.default if override is None else SpeculativeConfig.from_dict(override)
+        if override is not None and sc.method == "draft_model" and not sc.draft_model:
+            sc = replace(sc, draft_model=self.default.draft_model)
+        if sc.method == "none" or sc.num_speculative_tokens == 0:
+            return NO_SPECULATION
+        drafter_class(sc.method)  # unknown methods fail here, at admission
+        opts = dict(sc.options)
+        if sc.method == "draft_model":
+            if not sc.draft_model:
+                raise ValueError("speculative method 'draft_model' needs a draft_model")
+            opts["draft_model"] = sc.draft_model
+        if sc.method == "eagle" and "eagle_head" not in opts \
+                and self.default.options.get("eagle_head"):
+            opts["eagle_head"] = self.default.options["eagle_head"]
+        spec = Speculation(sc.method, sc.num_speculative_tokens, opts,
+                           bool(opts.get("adaptive", self.adaptive_default)))
+        try:
+            self.drafter(spec)  # built (a draft model or head loaded and checked) now
+        except OSError as exc:
+            what = "eagle_head" if spec.method == "eagle" else "draft_model"
+            raise ValueError(f"speculative.{what}: cannot load {spec.source!r}: {exc}") from exc
+        return spec
+
+    def drafter(self, spec: Speculation) -> Drafter:
+        key = spec.drafter_key
+        d = self.drafters.get(key)
+        if d is None:
+            options = dict(self.default.options)
+            if spec.method == "eagle" and spec.source is not None:
+                options["eagle_head"] = spec.source
+            d = self.drafters[key] = self._build(spec.method, spec.source, options)
+        return d
+
+    def load_default(self) -> None:
+        """Build the engine-wide default drafter now, so that no request pays for it."""
+        self.resolve(None)
+
+    # -- a step -----------------------------------------------------------------------------
+    def depths(self, decoding: list[Request]) -> None:
+        """Set each decode's draft depth for this step: its own k, or the controller's."""
+        fixed: list[Request] = []
+        cands: list[Candidate] = []
+        for r in decoding:
+            r.depth = 0
+            if not r.spec.on:
+                continue
+            if r.spec.adaptive:
+                cands.append(Candidate(
+                    r.request_id, r.spec.method, r.spec.k, r.metrics,
+                    self.drafter(r.spec).max_nodes(1, r.spec.options),
+                    prior_for(self.totals.get(r.spec.method))))
+            else:
+                fixed.append(r)
+                r.depth = r.spec.k
+        plain = len(decoding) - len(fixed) - len(cands)
+        base = len(decoding) + sum(self.max_nodes(r) for r in fixed)
+        by_id = {r.request_id: r for r in decoding}
+        for rid, k in self.controller.choose(base, plain, cands).items():
+            by_id[rid].depth = k
+
+    def max_nodes(self, r: Request) -> int:
+        """The tree size `r` asks the scheduler for at its depth this step."""
+        return self.drafter(r.spec).max_nodes(r.depth, r.spec.options) if r.depth else 0
+
+    def propose(self, plan: StepPlan, requests: dict[str, Request]) -> list[Draft]:
+        """Per decode in the plan, its draft tree (a drafter's requests in one batch)."""
+        drafts = [NO_DRAFT] * len(plan.decodes)
+        groups: dict[tuple[str, str | None], list[int]] = {}
+        for i, d in enumerate(plan.decodes):
+            r = requests[d.seq.request_id]
+            if d.max_draft_nodes > 0 and r.spec.on:
+                groups.setdefault(r.spec.drafter_key, []).append(i)
+        for idxs in groups.values():
+            t0 = time.perf_counter()
+            reqs = [requests[plan.decodes[i].seq.request_id] for i in idxs]
+            batch = [DraftRequest(
+                request_id=r.request_id, tokens=r.seq.tokens,
+                max_nodes=plan.decodes[i].max_draft_nodes, k=r.depth or r.spec.k,
+                options=r.spec.options, params=r.seq.params, generator=r.generator)
+                for i, r in zip(idxs, reqs)]
+            drafter = self.drafter(reqs[0].spec)
+            tree: DraftTree = drafter.propose(batch)
+            self.controller.record_draft(reqs[0].spec.method, max(b.k for b in batch),
+                                         time.perf_counter() - t0, drafter.last_catch_up)
+            # Whole-batch host copies: one conversion each, not one per sequence.
+            all_toks, all_pars = tree.host_lists()
+            stoch = tree.stochastic.tolist() if tree.draft_probs is not None else None
+            for j, i in enumerate(idxs):
+                s, e = tree.offsets[j], tree.offsets[j + 1]
+                m = plan.decodes[i].max_draft_nodes
+                probs = None
+                if stoch is not None and e > s and all(stoch[s:e]):
+                    probs = tree.draft_probs[s:e][:m]
+                drafts[i] = Draft(all_toks[s:e][:m], all_pars[s:e][:m], probs)
+        return drafts
+
+    def device_kind(self, r: Request) -> tuple | None:
+        """How the device can draft for `r` (chained steps, specdec/chaining.py): ("table",),
+        ("lookup", min_n, max_n), or None where only the host can."""
+        drafter, opts = self.drafter(r.spec), r.spec.options
+        if drafter.has_position_table(opts):
+            return ("table",)
+        if drafter.has_device_lookup(opts):
+            return ("lookup", int(opts.get("min_n", 1)), int(opts.get("max_n", 3)))
+        return None
+
+    # -- target features (EAGLE) ------------------------------------------------------------
+    def wants_features(self, r: Request) -> bool:
+        return r.spec.on and self.drafter(r.spec).needs_hidden_states
+
+    def capture_layers(self, reqs: list[Request]) -> tuple[int, ...] | None:
+        """Union of target layers the step's drafters need features from; None when no drafter
+        in the step consumes target features."""
+        layers: set[int] | None = None
+        for r in reqs:
+            if self.wants_features(r):
+                layers = (layers or set()) | set(self.drafter(r.spec).capture_layers)
+        return None if layers is None else tuple(sorted(layers))
+
+    def _features(self, r: Request, features: torch.Tensor, capture: tuple[int, ...],
+                  rows: torch.Tensor) -> torch.Tensor:
+        """The features r's drafter asked for, in its capture_layers order, at the given rows."""
+        d = self.drafter(r.spec)
+        hid = features.shape[1] // (len(capture) + 1)
+        cols = [capture.index(layer) for layer in d.capture_layers] + [len(capture)]
+        return torch.cat([features[rows, c * hid:(c + 1) * hid] for c in cols], dim=-1)
+
+    def observe_chunk(self, r: Request, start: int, num: int, features: torch.Tensor,
+                      capture: tuple[int, ...], first_row: int) -> None:
+        """A prefill chunk's features: positions start .. start + num - 1."""
+        rows = torch.arange(first_row, first_row + num, device=features.device)
+        self.drafter(r.spec).observe(r.request_id, start, r.seq.tokens[start:start + num],
+                                     self._features(r, features, capture, rows))
+
+    def observe_verified(self, r: Request, context: int, tokens: list[int],
+                         features: torch.Tensor, capture: tuple[int, ...], root_row: int,
+                         accepted: list[int]) -> None:
+        """A verified decode's features: its root's row, then its accepted nodes'."""
+        rows = torch.tensor([root_row] + [root_row + 1 + a for a in accepted],
+                            device=features.device)
+        self.drafter(r.spec).observe(r.request_id, context, tokens,
+                                     self._features(r, features, capture, rows))
+
+    # -- after a step -----------------------------------------------------------------------
+    def accepted(self, r: Request, kept: list[int]) -> None:
+        if r.spec.on:
+            self.drafter(r.spec).accepted(r.request_id, r.seq.num_tokens, kept)
+
+    def release(self, r: Request) -> None:
+        """The request finished or was preempted: its drafter drops what it held for it."""
+        if r.spec.on:
+            self.drafter(r.spec).release(r.request_id)
+
+    def record(self, r: Request, drafted: int, accepted: int, emitted: int, depth: int) -> None:
+        r.metrics.record(drafted, accepted, emitted, depth)
+        tot = self.totals.setdefault(r.spec.method, SpecMetrics(method=r.spec.method))
+        tot.record(drafted, accepted, emitted, depth)

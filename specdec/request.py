@@ -1,0 +1,62 @@
+"""A request as the engine holds it: its sequence, speculation choice, RNG, detokenizer, metrics.
+
+The scheduler and the block manager see only the `Sequence` (ints and lists); everything else a
+request needs from admission to its last output lives here, in one record per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdec.detokenizer import IncrementalDetokenizer
+from specdec.outputs import SpecMetrics
+from specdec.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a request speculates, resolved and checked at admission (specdec/drafting.py)."""
+
+    method: str = "none"  # "none" or a registered drafter's name
+    k: int = 0  # num_speculative_tokens: the draft depth asked for
+    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    adaptive: bool = False  # the engine may shrink k, down to plain decoding (spec_control)
+
+    @property
+    def on(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def source(self) -> str | None:
+        """What the drafter is built from, as the options name it: the draft model or the
+        EAGLE head; None for drafters built from nothing but the method."""
+        if self.method == "draft_model":
+            return self.options.get("draft_model")
+        if self.method == "eagle":
+            return self.options.get("eagle_head")
+        return None
+
+    @property
+    def drafter_key(self) -> tuple[str, str | None]:
+        """Everything that selects a drafter instance: requests with one key share one."""
+        return self.method, self.source
+
+
+NO_SPECULATION = Speculation()
+
+
+@dataclass
+class Request:
+    seq: Sequence
+    spec: Speculation
+    generator: torch.Generator  # the request's own draws: sampling and drafting
+    detok: IncrementalDetokenizer
+    metrics: SpecMetrics | None  # None when the request does not speculate
+    depth: int = 0  # this step's draft depth (the request's k or the controller's choice)
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
