@@ -6,7 +6,8 @@
 # writes OUT_DIR/before/ and OUT_DIR/after/ (gpu_engine.json, gpu_engine.log each).
 set -uo pipefail
 before="${1:?BEFORE_DIR}"
-out="${2:?OUT_DIR}"
+mkdir -p "${2:?OUT_DIR}"
+out="$(cd "$2" && pwd)"
 shift 2
 here="$(pwd)"
 export PYTHONUNBUFFERED=1
@@ -16,7 +17,7 @@ for side in before after; do
   mkdir -p "$out/$side"
   echo "$ $side: $dir $(date -u +%T)"
   (cd "$dir" && PYTHONPATH="$dir" timeout "${SIDE_TIMEOUT:-290}" python3 bench/gpu_engine.py \
-    --out "$here/$out/$side" "$@" > "$here/$out/$side/gpu_engine.log" 2>&1)
+    --out "$out/$side" "$@" > "$out/$side/gpu_engine.log" 2>&1)
   echo "  rc $? $(date -u +%T)"
   tail -25 "$out/$side/gpu_engine.log"
 done

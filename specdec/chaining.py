@@ -39,7 +39,7 @@ from drafters import DraftRequest
 from drafters.tree import DraftTree
 from specdec.commit import ChainState, Launched, Row
 from specdec.device_drafts import LookupDrafts, TableDrafts
-from specdec.sampler import host_to_device
+from specdec.sampler import argmax_rows, host_to_device
 from specdec.step_inputs import (
     Draft,
     Segment,
@@ -128,8 +128,8 @@ class Chainer:
 
     # -- chained steps ----------------------------------------------------------------------
     def can_chain(self, step: Launched, scheduler: Scheduler) -> bool:
-        """True when the next step is `step`'s batch (less sequences that have finished), none
-        of them can end by length at `step`, and each has blocks reserved two steps ahead."""
+        """True when the next step is `step`'s batch (less sequences that have finished), each
+        with blocks reserved two steps ahead."""
         c = step.chain
         if c is None or scheduler.waiting or not scheduler.running:
             return False
@@ -139,8 +139,8 @@ class Chainer:
         seqs = [row.req.seq for row in step.rows if not row.req.seq.is_finished]
         if len(seqs) != len(scheduler.running) or not self._fits(seqs, c.shape):
             return False
-        if any(len(s.output_token_ids) + 1 >= s.params.max_tokens for s in seqs):
-            return False  # `step` may end it: its successor's work would be dropped
+        # A sequence that `step` ends (by length or a stop) has its successor's work dropped
+        # and leaves the chain after it: no reason to stop chaining for it.
         return all(self.blocks.reserve(s, 2 * c.shape.rows) for s in seqs)
 
     def chain(self, prev: Launched) -> Launched:
@@ -151,18 +151,20 @@ class Chainer:
         shape, runner, v = c.shape, self.runner, prev.verdict
         keep = [i for i, row in enumerate(prev.rows) if not row.req.seq.is_finished]
         reqs = [prev.rows[i].req for i in keep]
-        dev = runner.device
-        rows = host_to_device(keep, torch.long, dev)
+        same = len(keep) == len(prev.rows)
+        rows = None if same and not shape.parents else host_to_device(keep, torch.long,
+                                                                        runner.device)
         launched_at = time.perf_counter()
         drafts = None
         segs = chained_segments([r.seq for r in reqs], shape, self.blocks)
         if not shape.parents:  # plain decoding: the tokens come from the device
-            out = runner.execute(segs, token_source=v.emitted.index_select(0, rows)[:, 0])
+            tokens = v.emitted[:, 0] if same else v.emitted.index_select(0, rows)[:, 0]
+            out = runner.execute(segs, token_source=tokens)
             ids = slots = None
         else:
             # Queued behind `prev`; a history gains at most a step's rows from `prev`.
             bound = max(r.seq.num_tokens for r in reqs) + shape.rows
-            drafts = c.drafts.next(v.emitted, v.num, rows, len(keep) == len(prev.rows), bound)
+            drafts = c.drafts.next(v.emitted, v.num, rows, same, bound)
             if runner.graphs is not None:
                 fixed: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -185,17 +187,16 @@ class Chainer:
     # -- helpers ----------------------------------------------------------------------------
     def _verdict(self, logits: torch.Tensor, reqs: list[Request], shape: TreeShape,
                  ids: torch.Tensor | None, slots: torch.Tensor | None) -> Verdict:
-        if not shape.parents and not all(r.seq.params.greedy for r in reqs):
-            # Sampled plain decodes: the draw the host-built step makes, from each request's
-            # own uniforms.
+        if not shape.parents:
+            if all(r.seq.params.greedy for r in reqs):
+                return Verdict.plain(argmax_rows(logits))
+            # Sampled: the draw the host-built step makes, from each request's own uniforms.
             n = len(reqs)
             res = accept_on_device(logits, [r.seq.params for r in reqs], None, reqs,
                                    DraftTree.empty(n), list(range(n)), self.pieces)
-            return Verdict.of(res.tokens, res.num_tokens, res.accepted_nodes)
-        if ids is None:
-            ids = torch.zeros(len(reqs), 1, dtype=torch.long, device=logits.device)
+            return Verdict.plain(res.tokens[:, 0])
         emitted, num, nodes = accept_greedy(logits, ids, shape)
-        if shape.parents and not shape.is_chain:
+        if not shape.is_chain:
             # KV of the accepted path moves to consecutive rows after the root: depth d's node
             # to row d (the commit does this from host lists for host-verified steps).
             dst = slots[:, 1:shape.k + 1]
@@ -228,7 +229,7 @@ class Chainer:
             dr = DraftRequest(request_id=r.request_id, tokens=r.seq.tokens,
                               max_nodes=shape.rows - 1, k=shape.k, options=r.spec.options,
                               params=r.seq.params)
-            t = self.drafting.drafter(r.spec).position_table(dr, length, self.runner.device)
+            t = r.drafter.position_table(dr, length, self.runner.device)
             rows.append(t if t.dim() == 2 else t[:, None])
         table = torch.stack(rows)  # [n, L, W]
         if table.shape[2] < shape.width:

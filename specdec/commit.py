@@ -44,7 +44,7 @@ class ChainState:
     drafts: TableDrafts | LookupDrafts | None  # the device drafts; None for plain decoding
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     """One sampling sequence of a launched step."""
 
@@ -133,7 +133,8 @@ class StepCommitter:
         if seq.first_token_time is None:
             seq.first_token_time = now
         if reason is None:
-            self.drafting.accepted(r, kept)
+            if r.drafter is not None:
+                self.drafting.accepted(r, kept)
             if seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
@@ -147,11 +148,14 @@ class StepCommitter:
         generate count as not drafted (the scheduler does not draft them on the host; a
         chained step's device drafts have its whole shape)."""
         seq = r.seq
-        cap = max(0, min(seq.params.max_tokens - len(seq.output_token_ids) - 1,
-                         self.max_model_len - seq.num_tokens))
-        acc = min(accepted, cap)
-        self.drafting.record(r, min(len(parents), cap), acc, acc + 1,
-                             min(row_shape(parents).depth, cap))
+        out = len(seq.output_token_ids)
+        cap = min(seq.params.max_tokens - out - 1, self.max_model_len - out - len(
+            seq.prompt_token_ids))
+        depth = row_shape(parents).depth if parents else 0
+        if cap < len(parents):
+            cap = max(0, cap)
+            accepted, depth, parents = min(accepted, cap), min(depth, cap), parents[:cap]
+        self.drafting.record(r, len(parents), accepted, accepted + 1, depth)
 
     @staticmethod
     def _logprobs(step: Launched, new_h: list[list[int]], acc_h: list[list[int]]

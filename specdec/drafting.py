@@ -97,7 +97,7 @@ class Drafting:
             if r.spec.adaptive:
                 cands.append(Candidate(
                     r.request_id, r.spec.method, r.spec.k, r.metrics,
-                    self.drafter(r.spec).max_nodes(1, r.spec.options),
+                    r.drafter.max_nodes(1, r.spec.options),
                     prior_for(self.totals.get(r.spec.method))))
             else:
                 fixed.append(r)
@@ -110,7 +110,7 @@ class Drafting:
 
     def max_nodes(self, r: Request) -> int:
         """The tree size `r` asks the scheduler for at its depth this step."""
-        return self.drafter(r.spec).max_nodes(r.depth, r.spec.options) if r.depth else 0
+        return r.drafter.max_nodes(r.depth, r.spec.options) if r.depth else 0
 
     def propose(self, plan: StepPlan, requests: dict[str, Request]) -> list[Draft]:
         """Per decode in the plan, its draft tree (a drafter's requests in one batch)."""
@@ -128,7 +128,7 @@ class Drafting:
                 max_nodes=plan.decodes[i].max_draft_nodes, k=r.depth or r.spec.k,
                 options=r.spec.options, params=r.seq.params, generator=r.generator)
                 for i, r in zip(idxs, reqs)]
-            drafter = self.drafter(reqs[0].spec)
+            drafter = reqs[0].drafter
             tree: DraftTree = drafter.propose(batch)
             self.controller.record_draft(reqs[0].spec.method, max(b.k for b in batch),
                                          time.perf_counter() - t0, drafter.last_catch_up)
@@ -147,7 +147,7 @@ class Drafting:
     def device_kind(self, r: Request) -> tuple | None:
         """How the device can draft for `r` (chained steps, specdec/chaining.py): ("table",),
         ("lookup", min_n, max_n), or None where only the host can."""
-        drafter, opts = self.drafter(r.spec), r.spec.options
+        drafter, opts = r.drafter, r.spec.options
         if drafter.has_position_table(opts):
             return ("table",)
         if drafter.has_device_lookup(opts):
@@ -156,7 +156,7 @@ class Drafting:
 
     # -- target features (EAGLE) ------------------------------------------------------------
     def wants_features(self, r: Request) -> bool:
-        return r.spec.on and self.drafter(r.spec).needs_hidden_states
+        return r.drafter is not None and r.drafter.needs_hidden_states
 
     def capture_layers(self, reqs: list[Request]) -> tuple[int, ...] | None:
         """Union of target layers the step's drafters need features from; None when no drafter
@@ -164,13 +164,13 @@ class Drafting:
         layers: set[int] | None = None
         for r in reqs:
             if self.wants_features(r):
-                layers = (layers or set()) | set(self.drafter(r.spec).capture_layers)
+                layers = (layers or set()) | set(r.drafter.capture_layers)
         return None if layers is None else tuple(sorted(layers))
 
     def _features(self, r: Request, features: torch.Tensor, capture: tuple[int, ...],
                   rows: torch.Tensor) -> torch.Tensor:
         """The features r's drafter asked for, in its capture_layers order, at the given rows."""
-        d = self.drafter(r.spec)
+        d = r.drafter
         hid = features.shape[1] // (len(capture) + 1)
         cols = [capture.index(layer) for layer in d.capture_layers] + [len(capture)]
         return torch.cat([features[rows, c * hid:(c + 1) * hid] for c in cols], dim=-1)
@@ -179,7 +179,7 @@ class Drafting:
                       capture: tuple[int, ...], first_row: int) -> None:
         """A prefill chunk's features: positions start .. start + num - 1."""
         rows = torch.arange(first_row, first_row + num, device=features.device)
-        self.drafter(r.spec).observe(r.request_id, start, r.seq.tokens[start:start + num],
+        r.drafter.observe(r.request_id, start, r.seq.tokens[start:start + num],
                                      self._features(r, features, capture, rows))
 
     def observe_verified(self, r: Request, context: int, tokens: list[int],
@@ -188,18 +188,18 @@ class Drafting:
         """A verified decode's features: its root's row, then its accepted nodes'."""
         rows = torch.tensor([root_row] + [root_row + 1 + a for a in accepted],
                             device=features.device)
-        self.drafter(r.spec).observe(r.request_id, context, tokens,
+        r.drafter.observe(r.request_id, context, tokens,
                                      self._features(r, features, capture, rows))
 
     # -- after a step -----------------------------------------------------------------------
     def accepted(self, r: Request, kept: list[int]) -> None:
-        if r.spec.on:
-            self.drafter(r.spec).accepted(r.request_id, r.seq.num_tokens, kept)
+        if r.drafter is not None:
+            r.drafter.accepted(r.request_id, r.seq.num_tokens, kept)
 
     def release(self, r: Request) -> None:
         """The request finished or was preempted: its drafter drops what it held for it."""
-        if r.spec.on:
-            self.drafter(r.spec).release(r.request_id)
+        if r.drafter is not None:
+            r.drafter.release(r.request_id)
 
     def record(self, r: Request, drafted: int, accepted: int, emitted: int, depth: int) -> None:
         r.metrics.record(drafted, accepted, emitted, depth)

@@ -196,7 +196,8 @@ class LLMEngine:
             seq, spec, torch.Generator().manual_seed(seed),
             IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                    params.stop, TextRules.of(params)),
-            SpecMetrics(method=spec.method) if spec.on else None)
+            SpecMetrics(method=spec.method) if spec.on else None,
+            self.drafting.drafter(spec) if spec.on else None)
         self.scheduler.add(seq)
 
     def load_default_drafter(self) -> None:

@@ -7,13 +7,16 @@ request needs from admission to its last output lives here, in one record per re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.outputs import SpecMetrics
 from specdec.sequence import Sequence
+
+if TYPE_CHECKING:
+    from drafters.base import Drafter
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Request:
     generator: torch.Generator  # the request's own draws: sampling and drafting
     detok: IncrementalDetokenizer
     metrics: SpecMetrics | None  # None when the request does not speculate
+    drafter: Drafter | None = None  # its spec's drafter instance (Drafting.drafter); None: none
     depth: int = 0  # this step's draft depth (the request's k or the controller's choice)
 
     @property

@@ -41,7 +41,7 @@ class Verdict:
     host: HostCopy  # emitted [n * width] | counts [n] | accepted nodes [n * (width - 1)]
     width: int  # emitted-token columns per row: the deepest tree's depth + 1
     emitted: torch.Tensor | None = None  # [n, width] on the device (chained steps read it)
-    num: torch.Tensor | None = None  # [n] tokens emitted per row (device)
+    num: torch.Tensor | None = None  # [n] tokens emitted per row (device); None: one each
     # An all-greedy host step: `host` holds every query row's argmax, walked on the host over
     # these (draft tokens, parents) per row and each row's root in the argmax.
     walk: tuple[list[tuple[list[int], list[int]]], list[int]] | None = None
@@ -53,11 +53,18 @@ class Verdict:
         packed = torch.cat([emitted.flatten(), num.to(emitted.dtype), nodes.flatten()])
         return Verdict(n, device_to_host(packed), w, emitted, num)
 
+    @staticmethod
+    def plain(tokens: torch.Tensor) -> Verdict:
+        """Plain decodes, one token per row ([n] on the device): the zero-node case."""
+        return Verdict(len(tokens), device_to_host(tokens), 1, tokens[:, None])
+
     def read(self) -> tuple[list[list[int]], list[list[int]]]:
         """Per row (emitted tokens, accepted local nodes): the step's host synchronisation."""
         flat = self.host.tolist()
         if self.walk is not None:
             return verify_greedy_lists(flat, *self.walk)
+        if self.num is None:  # plain decodes
+            return [[t] for t in flat], [[] for _ in flat]
         n, w = self.rows, self.width
         num = flat[n * w:n * w + n]
         acc = flat[n * w + n:]
@@ -181,8 +188,6 @@ def accept_greedy(logits: torch.Tensor, ids: torch.Tensor, shape: TreeShape
     accepted path's then the bonus token. The host's rule is verify_greedy_lists."""
     n, m = ids.shape
     am = argmax_rows(logits).view(n, m)
-    if not shape.parents:  # plain decoding
-        return am, torch.ones(n, dtype=torch.long, device=am.device), am[:, :0]
     prow, _, levels, _ = shape.tensors(ids.device)
     acc = ids[:, 1:] == am.index_select(1, prow)  # [n, N]: matches its parent's argmax
     if shape.is_chain:
