@@ -182,7 +182,7 @@ class Chainer:
         return Launched([Row(r, r.seq.num_computed, shape.parents) for r in reqs],
                         self._verdict(out.logits, reqs, shape, ids, slots),
                         len(reqs) * shape.rows, launched_at, kv_moved=True,
-                        chain=ChainState(shape, drafts), chained=True)
+                        chain=ChainState(shape, drafts))
 
     # -- helpers ----------------------------------------------------------------------------
     def _verdict(self, logits: torch.Tensor, reqs: list[Request], shape: TreeShape,

@@ -67,7 +67,6 @@ class Launched:
     capture: tuple[int, ...] | None = None  # ... of these layers
     kv_moved: bool = False  # the accepted paths' KV was compacted on the device
     chain: ChainState | None = None  # set when the next step may be chained from this one
-    chained: bool = False  # launched from its predecessor's verdict
 
     def rebase(self) -> Launched | None:
         """After the predecessor of a chained step is committed: each row's context is what
