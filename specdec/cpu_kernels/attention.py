@@ -127,9 +127,16 @@ class CpuAttentionBackend:
                 self._kernel_ok = False
         return self._kernel_ok
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if not (usable(q) and k_cache.dtype == torch.float32 and self._kernel()):
-            return self.reference.attend(q, k_cache, v_cache, meta, scale)
+    def rows(self, meta: AttentionMetadata) -> RowsView | None:
+        """The step's RowsView (built once per step), or None where the kernel cannot run."""
+        if not self._kernel():
+            return None
         if self._rows is None or self._rows[0] is not meta:
             self._rows = (meta, RowsView.of(meta))
-        return attention(q, k_cache, v_cache, meta, self._rows[1], scale, self.path)
+        return self._rows[1]
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        rows = self.rows(meta) if usable(q) and k_cache.dtype == torch.float32 else None
+        if rows is None:
+            return self.reference.attend(q, k_cache, v_cache, meta, scale)
+        return attention(q, k_cache, v_cache, meta, rows, scale, self.path)

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("quant_matmul.c")
+# The matmuls and attention, and the decoder layers built on them (specdec/models/cpu_layers.py).
+SOURCES = (Path(__file__).with_name("quant_matmul.c"), Path(__file__).with_name("layer_step.c"))
 BUILDS = ("avx512", "portable")
 PATHS = {"portable": 0, "avx512": 1, "amx": 2}  # the `path` argument of sd_q*_matmul
 _FLAGS = {
@@ -77,6 +78,8 @@ def _argtypes(lib: ctypes.CDLL) -> ctypes.CDLL:
                                  ctypes.c_float, p]
     lib.sd_attention.restype = None
     lib.sd_amx_enable.restype = ctypes.c_int
+    lib.sd_layers.argtypes = [p, i64, p, p]  # layer records, count, residual, step record
+    lib.sd_layers.restype = ctypes.c_int
     return lib
 
 
@@ -90,7 +93,8 @@ def load(isa: str) -> ctypes.CDLL:
                                 f"for the {isa} kernels")
     cc = _compiler()
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_FLAGS[isa]]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)
+                         + " ".join([cc, *flags]).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     out = _cache_dir() / f"quant_matmul-{isa}-{key}.so"
     if not out.is_file():
@@ -98,7 +102,7 @@ def load(isa: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
         os.close(fd)
         try:
-            run = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"],
+            run = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
                                  capture_output=True, text=True, check=False)
             if run.returncode != 0:
                 raise KernelUnavailable(f"building the {isa} CPU kernels failed:\n{run.stderr}")

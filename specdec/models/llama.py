@@ -234,6 +234,8 @@ class LlamaForCausalLM(nn.Module):
         # Fused Triton norms, rotary and activation when set (for CUDA, by the loader); None
         # runs the modules above.
         self.kernels: FusedKernels | None = None
+        # The CPU's C run of quantized layers (specdec/models/cpu_layers.py), set by the loader.
+        self.cpu_layers: Any = None
         self.lm_head = Linear(int(hf["hidden_size"]), int(hf["vocab_size"]), bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -279,6 +281,20 @@ class LlamaForCausalLM(nn.Module):
                 if i in capture_layers:
                     captured.append(res.clone())
             return rms_norm(res, m.norm.weight, m.norm.eps), captured
+        rows = None
+        if self.cpu_layers is not None and kv_cache.dtype == torch.float32 \
+                and hasattr(backend, "rows"):
+            rows = backend.rows(meta)
+        if rows is not None:  # quantized on the CPU: layers in C, split where one is captured
+            res = m.embed_tokens(input_ids).float().contiguous()  # [T, hidden]: the residual
+            captured = []
+            start = 0
+            for stop in sorted({i + 1 for i in capture_layers} | {len(m.layers)}):
+                self.cpu_layers.run(res, positions, meta, kv_cache, rows, range(start, stop))
+                if stop - 1 in capture_layers:
+                    captured.append(res.clone())
+                start = stop
+            return m.norm(res), captured
         x = m.embed_tokens(input_ids)
         cos_sin = m.rotary.cos_sin(positions, x.dtype)
         residual = None

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.models.cpu_layers import CpuLayers
 from specdec.models.gguf_weights import load_tensors
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.quant_linear import QuantEmbedding, QuantLinear, QuantWeight
@@ -87,6 +88,7 @@ def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str,
 
         for rows in (1, 2, 4, 8, 16):
             choose_path(rows)
+    model.cpu_layers = CpuLayers.of(model, cpu_kernel)
     return model
 
 
