@@ -1,6 +1,6 @@
 """specdec against llama.cpp on the CPU, side by side, on the same GGUF files.
 
-Three servers run at once, each idle while another is timed: llama.cpp's `llama-server` on the
+Servers run side by side, each idle while another is timed: llama.cpp's `llama-server` on the
 target alone, `llama-server` with the draft model (`-md DRAFT --draft-max 8`), and `specdec
 serve` with its defaults (plain requests send `"speculative": {"method": "none"}`; speculative
 ones send nothing, so they measure the default configuration). Every request is greedy, streams,
@@ -9,7 +9,9 @@ the tokenizer's added tokens, since its `ignore_eos` spares only EOS and it woul
 other end-of-generation tokens); the engines take turns prompt by prompt.
 Decode tok/s is measured the same way for every engine, at the client: (tokens - 1) over the
 time from the first streamed token to the last. TTFT is the time to the first token. RSS is each
-server's resident memory after its requests (VmRSS), with its peak (VmHWM).
+server's resident memory after its requests (VmRSS), with its peak (VmHWM); a fourth server,
+`specdec serve --speculative none` (engine `specdec_plain_only`, no draft model loaded), gives
+the RSS to hold against llama.cpp's target-alone server.
 
     python bench/cpu_vs_llamacpp.py --out bench/results/cpu_vs_llamacpp_$(date +%Y%m%d).json
 """
@@ -114,7 +116,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft-max", type=int, default=8)
-    p.add_argument("--engines", default="llama_plain,llama_spec,specdec_plain,specdec_spec")
+    p.add_argument("--engines", default="llama_plain,llama_spec,specdec_plain,specdec_spec,"
+                   "specdec_plain_only")
     p.add_argument("--specdec-args", default="", help="extra `specdec serve` arguments")
     p.add_argument("--dataset", default="humaneval", choices=["humaneval", "sharegpt"])
     a = p.parse_args()
@@ -151,6 +154,11 @@ def main() -> None:
                  "8093", *a.specdec_args.split()], stdout=logs, stderr=logs, env=env)
             for e in ("specdec_plain", "specdec_spec"):
                 servers[e] = (proc, "http://127.0.0.1:8093")
+        if "specdec_plain_only" in engines:  # no draft model loaded: RSS against llama_plain
+            servers["specdec_plain_only"] = (subprocess.Popen(
+                [sys.executable, "-m", "specdec.cli", "serve", "--model", a.target, "--port",
+                 "8094", "--speculative", "none", *a.specdec_args.split()], stdout=logs,
+                stderr=logs, env=env), "http://127.0.0.1:8094")
         t_start = {}
         for name, (proc, url) in servers.items():
             t0 = time.monotonic()
@@ -184,7 +192,8 @@ def main() -> None:
     if "llama_plain" in s and "specdec_plain" in s:
         ratios["plain_decode_vs_llama_plain"] = (s["specdec_plain"]["decode_tok_s_median"]
                                                  / s["llama_plain"]["decode_tok_s_median"])
-        ratios["rss_vs_llama_plain"] = s["specdec_plain"]["rss_mb"] / s["llama_plain"]["rss_mb"]
+        plain_rss = s.get("specdec_plain_only", s["specdec_plain"])["rss_mb"]
+        ratios["rss_vs_llama_plain"] = plain_rss / s["llama_plain"]["rss_mb"]
     if "specdec_spec" in s:
         peers = [(s[e]["decode_tok_s_median"], e) for e in ("llama_plain", "llama_spec") if e in s]
         if peers:
@@ -232,7 +241,7 @@ def _run(engine: str, url: str, prompt: str, n: int, special: list[int]) -> dict
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": n, "ignore_eos": True,
                             "temperature": 0.0, "stream": True,
                             "stream_options": {"include_usage": True}}
-    if engine == "specdec_plain":
+    if engine == "specdec_plain":  # the default server, this request without speculation
         body["speculative"] = {"method": "none"}
     return _stream(url, body, llama=False)
 

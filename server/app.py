@@ -3,6 +3,7 @@ OpenAI error object."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -16,8 +17,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from experiments.manager import ExperimentManager
 from server import llama_api, protocol
 from server.async_engine import AsyncEngine, QueueFullError, RequestFailedError, ShuttingDownError
+from server.cors import CORS
+from server.experiments_api import ExperimentsAPI
+from server.limits import BODY_TIMEOUT_S, ClientLimit, read_within
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openapi import openapi_schema
 from server.protocol import APIError
@@ -97,7 +102,11 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
               draft_models: dict[str, str] | None = None,
               eagle_heads: dict[str, str] | None = None,
               allowed_hosts: list[str] | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+              max_body_bytes: int = MAX_BODY_BYTES,
+              allowed_origins: list[str] | None = None,
+              body_timeout: float | None = BODY_TIMEOUT_S,
+              max_concurrent_per_client: int | None = None,
+              experiments: ExperimentManager | None = None) -> Starlette:
     """Build the app around an `LLMEngine` (wrapped here) or an `AsyncEngine`.
 
     The app owns the AsyncEngine's lifetime: lifespan shutdown aborts what is still running
@@ -109,7 +118,12 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
     `allowed_hosts`: the Host header values (without port) a request may carry; None: any. A
     server on a loopback address takes only local names, so that a web page that rebinds its own
     name to 127.0.0.1 cannot reach it (the CLI's default). A body over `max_body_bytes` is a 413,
-    answered as soon as its declared or received length passes the limit."""
+    answered as soon as its declared or received length passes the limit, one that has not
+    arrived within `body_timeout` seconds a 408. `allowed_origins`: the origins whose pages may
+    call the server (CORS, server/cors.py); none by default. `max_concurrent_per_client`: the
+    POST requests one API key (or, without one, one address) may have in flight (None: any).
+    `experiments`: the A/B experiments that assign requests choosing no speculation, and their
+    admin API and dashboard (server/experiments_api.py); None: neither."""
     if isinstance(engine, AsyncEngine):
         aengine = engine
     else:
@@ -117,7 +131,8 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
     metrics = aengine.metrics
     name = model_name or str(getattr(aengine.engine, "model_name", "specdec"))
     max_len = int(aengine.engine.max_model_len)
-    serving = Serving(aengine, name, max_len, infill_speculative, draft_models, eagle_heads)
+    serving = Serving(aengine, name, max_len, infill_speculative, draft_models, eagle_heads,
+                      experiments)
     started = int(time.time())
 
     def check_auth(request: Request) -> None:
@@ -151,8 +166,11 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
             if media != "application/json":
                 raise APIError(415, "Content-Type must be application/json",
                                code="unsupported_media_type")
-            body = protocol.parse_json(await read_body(request, max_body_bytes))
-            return await serving.handle(parse(body), request)
+            body = protocol.parse_json(await read_within(read_body(request, max_body_bytes),
+                                                         body_timeout))
+            req = parse(body)
+            req.user = protocol.read_str(body, "user")
+            return await serving.handle(req, request)
 
         return run
 
@@ -177,7 +195,8 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
         status = getattr(exc, "status_code", 500)
         err = APIError(status, f"{request.method} {request.url.path}: "
                        f"{getattr(exc, 'detail', 'error')}",
-                       code="not_found" if status == 404 else None)
+                       code="not_found" if status == 404 else None,
+                       headers=dict(getattr(exc, "headers", None) or {}))  # a 405's Allow
         metrics.requests.labels("unknown", str(status)).inc()
         return error_response(err)
 
@@ -185,6 +204,8 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         yield
         await aengine.shutdown(shutdown_grace)
+        if experiments is not None:
+            await asyncio.to_thread(experiments.close)  # after the last records are queued
 
     routes = [
         Route("/v1/completions", endpoint("completions", generation(protocol.parse_completion)),
@@ -200,8 +221,20 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
         Route("/metrics", metrics_text, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
+    if experiments is not None:
+        admin = ExperimentsAPI(experiments, api_key, lambda r: read_within(
+            read_body(r, max_body_bytes), body_timeout), serving.allowed)
+        for exp in experiments.experiments():
+            if exp.state != "stopped":  # a request must never fail on its arm's names
+                admin.check_arms(exp, f"experiment {exp.name!r}: ")
+        routes += admin.routes(endpoint)
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found},
                     lifespan=lifespan)
+    # The last added runs first: Host, then CORS, then the per-client count.
+    if max_concurrent_per_client is not None:
+        app.add_middleware(ClientLimit, limit=max_concurrent_per_client,
+                           by_key=api_key is not None)
+    app.add_middleware(CORS, origins=allowed_origins or [])
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=allowed_hosts)
     app.state.engine = aengine

@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.metrics import ServerMetrics
+from specdec.isolation import isolate
 
 log = logging.getLogger("specdec.server")
+# Isolations in a row that pin a failing step on no request before the loop fails them all.
+MAX_UNPINNED = 3
 
 
 class QueueFullError(Exception):
@@ -160,6 +163,7 @@ class AsyncEngine:
         self._num_waiting = 0
         self._admitting = 0  # taken off _adds, not yet in the engine's count
         self._num_running = 0
+        self._unpinned = 0  # isolations in a row that found no culprit
         self._stop = False
         self.draining = False
         self.stats: dict[str, Any] = {}
@@ -288,8 +292,8 @@ class AsyncEngine:
                     fresh.clear()
                     self._dispatch(outputs)
             except Exception as exc:  # the loop must outlive any one request
-                log.exception("engine step failed")
-                self._fail(fresh or set(self._snapshot_ids()), exc)
+                log.exception("engine step failed; running its requests apart")
+                self._pin(exc, fresh)
                 fresh.clear()
             self._refresh_gauges()
 
@@ -324,8 +328,27 @@ class AsyncEngine:
                     self.metrics.observe_finished(out, now)
                 except Exception:  # a metrics bug must not drop the output
                     log.exception("metrics for %s", out.request_id)
-            if stream is not None:
+            if stream is None:
+                continue
+            if out.finish_reason == "error":  # this request's own work raised (Request.fail)
+                stream.put(RuntimeError(getattr(out, "error", None) or "engine error"))
+            else:
                 stream.put(out)
+
+    def _pin(self, exc: Exception, fresh: set[str]) -> None:
+        """Find the request that makes steps raise and fail it alone (specdec.isolation). A
+        fault that several isolations in a row pin on nobody fails the requests admitted since
+        the last good step, or all of them, so that the loop cannot spin on it."""
+        try:
+            outputs, culprit = isolate(self.engine, exc)
+        except Exception:
+            log.exception("isolating the failed step failed")
+            outputs, culprit = [], None
+        self._dispatch(outputs)
+        self._unpinned = 0 if culprit is not None else self._unpinned + 1
+        if self._unpinned >= MAX_UNPINNED:
+            self._unpinned = 0
+            self._fail(fresh or set(self._snapshot_ids()), exc)
 
     def _fail(self, ids: set[str], exc: Exception) -> None:
         for rid in ids:

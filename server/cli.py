@@ -12,6 +12,8 @@ from typing import Any
 
 from server.app import build_app
 from server.async_engine import AsyncEngine
+from server.experiment_runs import open_experiments
+from server.limits import BODY_TIMEOUT_S
 from server.loading import LoadingApp, Progress
 
 log = logging.getLogger("specdec.server")
@@ -34,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-hosts", default=None, metavar="HOST,...",
                    help="Host header values to answer ('*': any); default: on a loopback "
                         "--host, localhost, 127.0.0.1 and [::1] only; else any")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
+                   help="origins whose web pages may call the server (CORS preflights "
+                        "answered, e.g. https://app.example); default: none")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="SECONDS",
+                   help="a request body not received within this is answered 408")
+    p.add_argument("--max-concurrent-per-client", type=int, default=None, metavar="N",
+                   help="requests one API key (without --api-key: one client address) may "
+                        "have in flight; more are answered 429 (default: no limit)")
     p.add_argument("--draft-models", default="", metavar="NAME=MODEL,...",
                    help="draft models requests may name in speculative.draft_model, besides "
                         "the default one (a preset, directory or GGUF each; loaded on first use)")
@@ -47,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--experiments", default=None, metavar="FILE",
+                   help="A/B experiments between speculative configurations (YAML or JSON; "
+                        "README: A/B experiments)")
+    p.add_argument("--experiments-db", default=None, metavar="FILE",
+                   help="SQLite file of experiment definitions and records (default: "
+                        "experiments.sqlite in the model cache)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: the engine's choice)")
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -81,6 +97,10 @@ def allowed_hosts_from_args(args: argparse.Namespace) -> list[str] | None:
     if args.host in LOOPBACK or args.host.startswith("127."):
         return [*LOOPBACK, args.host]
     return None
+
+
+def split_list(value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
 
 
 def named(value: str, flag: str) -> dict[str, str]:
@@ -176,7 +196,7 @@ def _load(args: argparse.Namespace, progress: Progress) -> Any:
     return engine
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, experiments: Any = None) -> None:
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
@@ -221,11 +241,20 @@ async def _serve(args: argparse.Namespace) -> None:
         engines.append(aengine)
         infill = None if args.infill_speculative == "default" else {
             "method": args.infill_speculative}
-        loading.ready(build_app(aengine, api_key=args.api_key,
-                                model_name=args.served_model_name, infill_speculative=infill,
-                                draft_models=named(args.draft_models, "--draft-models"),
-                                eagle_heads=named(args.eagle_heads, "--eagle-heads"),
-                                allowed_hosts=allowed_hosts_from_args(args)))
+        try:
+            app = build_app(aengine, api_key=args.api_key, experiments=experiments,
+                            model_name=args.served_model_name, infill_speculative=infill,
+                            draft_models=named(args.draft_models, "--draft-models"),
+                            eagle_heads=named(args.eagle_heads, "--eagle-heads"),
+                            allowed_hosts=allowed_hosts_from_args(args),
+                            allowed_origins=split_list(args.allowed_origins),
+                            body_timeout=args.body_timeout,
+                            max_concurrent_per_client=args.max_concurrent_per_client)
+        except ValueError as exc:  # an experiment's arm names a model this server lacks
+            log.error("%s", exc)
+            progress.fail(str(exc))
+            return
+        loading.ready(app)
         log.info("ready after %.1f s: serving %s on http://%s:%d", time.monotonic() - t0,
                  args.model, args.host, args.port)
 
@@ -241,10 +270,16 @@ def serve_main(argv: list[str] | None = None) -> int:
     named(args.draft_models, "--draft-models")  # a malformed list fails here, before loading
     named(args.eagle_heads, "--eagle-heads")
     engine_kwargs(args)  # so do a malformed --engine-arg and SPECDEC_* variable
+    if (args.max_concurrent_per_client or 1) < 1 or args.body_timeout <= 0:
+        raise SystemExit("--max-concurrent-per-client and --body-timeout must be positive")
+    try:  # before loading: a bad experiment file fails now
+        experiments = open_experiments(args.experiments, args.experiments_db)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     # The engine thread gives up the GIL in every kernel call and must win it back from the
     # event loop's thread; a shorter switch interval bounds that wait (default 5 ms).
     sys.setswitchinterval(0.0005)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(args))
+    asyncio.run(_serve(args, experiments))
     return 0

@@ -54,6 +54,36 @@ class ServerMetrics:
         self.verify_steps = Counter(p + "spec_verification_steps",
                                     "Target verification steps of speculating requests",
                                     ["method"], registry=r)
+        # A/B experiments (experiments/): one series per experiment and arm, from the records.
+        ea = ["experiment", "arm"]
+        self.exp_requests = Counter(p + "experiment_requests", "Requests an experiment "
+                                    "assigned, by arm, once finished", ea, registry=r)
+        self.exp_output_tokens = Counter(p + "experiment_output_tokens",
+                                         "Output tokens of assigned requests", ea, registry=r)
+        self.exp_draft_tokens = Counter(p + "experiment_draft_tokens",
+                                        "Draft tokens of assigned requests", ea, registry=r)
+        self.exp_accepted_tokens = Counter(p + "experiment_accepted_tokens",
+                                           "Accepted draft tokens of assigned requests", ea,
+                                           registry=r)
+        self.exp_ttft = Histogram(p + "experiment_time_to_first_token_seconds",
+                                  "Server arrival to first token of assigned requests", ea,
+                                  buckets=_TTFT_BUCKETS, registry=r)
+        self.exp_tpot = Histogram(p + "experiment_time_per_output_token_seconds",
+                                  "Time per output token after the first, assigned requests",
+                                  ea, buckets=_TPOT_BUCKETS, registry=r)
+
+    def observe_experiment(self, experiment: str, arm: str, output_tokens: int,
+                           draft_tokens: int, accepted_tokens: int, ttft_s: float | None,
+                           tpot_s: float | None) -> None:
+        """Record one finished request of an experiment's arm."""
+        self.exp_requests.labels(experiment, arm).inc()
+        self.exp_output_tokens.labels(experiment, arm).inc(output_tokens)
+        self.exp_draft_tokens.labels(experiment, arm).inc(draft_tokens)
+        self.exp_accepted_tokens.labels(experiment, arm).inc(accepted_tokens)
+        if ttft_s is not None:
+            self.exp_ttft.labels(experiment, arm).observe(max(0.0, ttft_s))
+        if tpot_s is not None:
+            self.exp_tpot.labels(experiment, arm).observe(max(0.0, tpot_s))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

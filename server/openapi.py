@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from server.experiments_api import EXPERIMENT_SCHEMA, openapi_paths
+
 
 def _num(desc: str, lo: float | None = None, hi: float | None = None,
          integer: bool = False) -> dict[str, Any]:
@@ -116,13 +118,17 @@ USAGE = {"type": "object", "properties": {
         "method": {"type": "string"}, "draft_tokens": {"type": "integer"},
         "accepted_tokens": {"type": "integer"}, "steps": {"type": "integer"},
         "tau": {"type": "number"},
-        "accepted_per_position": {"type": "array", "items": {"type": "integer"}}}}}}
+        "accepted_per_position": {"type": "array", "items": {"type": "integer"}},
+        "drafted_per_position": {"type": "array", "items": {"type": "integer"}}}}}}
 
 
 def _errors(*codes: int) -> dict[str, Any]:
     ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     text = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model",
-            413: "Prompt longer than the context", 429: "Queue full (see Retry-After)",
+            408: "Body not received within --body-timeout",
+            413: "Prompt longer than the context", 415: "Content-Type is not application/json",
+            429: "Queue full, or too many requests in flight from this client (see Retry-After)",
+            500: "The engine failed on this request (other requests go on)",
             503: "Shutting down"}
     return {str(c): {"description": text[c], **ref} for c in codes}
 
@@ -135,7 +141,7 @@ def _post(summary: str, schema: str, ok: str) -> dict[str, Any]:
         "responses": {"200": {"description": ok, "content": {
             "application/json": {"schema": {"type": "object"}},
             "text/event-stream": {"schema": {"type": "string"}}}},
-            **_errors(400, 401, 404, 413, 429, 503)}}}
+            **_errors(400, 401, 404, 408, 413, 415, 429, 500, 503)}}}
 
 
 def _get(summary: str, media: str = "application/json", auth: bool = False) -> dict[str, Any]:
@@ -166,11 +172,12 @@ def openapi_schema(model_name: str) -> dict[str, Any]:
             "/health": _get("200 while serving, 503 while draining"),
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/openapi.json": _get("This document"),
+            **openapi_paths(),
         },
         "components": {
             "schemas": {"Completion": COMPLETION, "ChatCompletion": CHAT, "Infill": INFILL,
                         "LlamaCompletion": LLAMA_COMPLETION,
-                        "Error": ERROR, "Usage": USAGE},
+                        "Error": ERROR, "Usage": USAGE, "Experiment": EXPERIMENT_SCHEMA},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -73,6 +73,7 @@ class GenerationRequest:
     input_suffix: str = ""
     chat_logprobs: bool = False  # chat's boolean `logprobs`
     llama: Any = None  # server.llama_api.LlamaFields for llama.cpp's endpoints
+    user: str | None = None  # OpenAI's end-user id: an experiment's assignment unit
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:

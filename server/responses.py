@@ -42,38 +42,50 @@ class Choice:
         return self.last.finish_reason if self.last is not None else None
 
 
+def _positions(specs: list[Any], attr: str) -> list[int]:
+    out: list[int] = []
+    for s in specs:
+        counts = list(getattr(s, attr, None) or [])
+        out.extend([0] * (len(counts) - len(out)))
+        for i, c in enumerate(counts):
+            out[i] += c
+    return out
+
+
 def speculative_usage(specs: list[Any]) -> dict[str, Any] | None:
     """The request's speculation counters, summed over its choices; None without speculation."""
     specs = [s for s in specs if s is not None and getattr(s, "method", "none") != "none"]
     if not specs:
         return None
-    if len(specs) == 1:
-        s = specs[0]
-        return {"method": s.method, "draft_tokens": s.draft_tokens,
-                "accepted_tokens": s.accepted_tokens, "steps": s.steps, "tau": s.tau,
-                "accepted_per_position": list(s.accepted_per_position or [])}
     steps = sum(s.steps for s in specs)
-    accepted = sum(s.accepted_tokens for s in specs)
-    width = max(len(s.accepted_per_position or []) for s in specs)
-    per_pos = [0] * width
-    for s in specs:
-        for i, count in enumerate(s.accepted_per_position or []):
-            per_pos[i] += count
     # tau counts the bonus token: one more emitted token than accepted per verification step.
     emitted = sum(getattr(s, "emitted_tokens", s.accepted_tokens + s.steps) for s in specs)
     return {"method": specs[0].method, "draft_tokens": sum(s.draft_tokens for s in specs),
-            "accepted_tokens": accepted, "steps": steps,
-            "tau": emitted / steps if steps else 0.0, "accepted_per_position": per_pos}
+            "accepted_tokens": sum(s.accepted_tokens for s in specs), "steps": steps,
+            "tau": emitted / steps if steps else 0.0,
+            "accepted_per_position": _positions(specs, "accepted_per_position"),
+            "drafted_per_position": _positions(specs, "drafted_per_position")}
 
 
-def usage(n_prompt: int, choices: list[Choice]) -> dict[str, Any]:
+def with_experiment(spec: dict[str, Any] | None,
+                    tags: dict[str, str] | None) -> dict[str, Any] | None:
+    """`usage.speculative` of a request an experiment assigned: its experiment and arm added
+    (a control arm without speculation reports method "none")."""
+    if not tags:
+        return spec
+    return {**(spec or {"method": "none"}), **tags}
+
+
+def usage(n_prompt: int, choices: list[Choice],
+          tags: dict[str, str] | None = None) -> dict[str, Any]:
     completion = sum(c.n_tokens for c in choices)
     cached = max((getattr(c.last, "num_cached_tokens", 0) or 0 for c in choices if c.last),
                  default=0)
     return {"prompt_tokens": n_prompt, "completion_tokens": completion,
             "total_tokens": n_prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
-            "speculative": speculative_usage([c.last.spec for c in choices if c.last])}
+            "speculative": with_experiment(
+                speculative_usage([c.last.spec for c in choices if c.last]), tags)}
 
 
 def logprob_entry(e: Any) -> tuple[int, float, dict[int, float]]:
@@ -117,6 +129,7 @@ class Formatter:
         self.id = request_id
         self.created = int(time.time())
         self.object = "chat.completion" if kind == "chat" else "text_completion"
+        self.tags: dict[str, str] | None = None  # an experiment's {experiment, arm}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -130,7 +143,7 @@ class Formatter:
             "index": c.index, "text": prefix + c.text, "finish_reason": c.finish_reason,
             "logprobs": completion_logprobs(self.pb, c.logprobs, len(prefix))
             if want_logprobs else None} for c in choices]
-        body["usage"] = usage(n_prompt, choices)
+        body["usage"] = usage(n_prompt, choices, self.tags)
         return body
 
     def chat(self, choices: list[Choice], n_prompt: int, want_logprobs: bool) -> dict[str, Any]:
@@ -140,7 +153,7 @@ class Formatter:
             "finish_reason": c.finish_reason,
             "logprobs": chat_logprobs(self.pb, c.logprobs) if want_logprobs else None}
             for c in choices]
-        body["usage"] = usage(n_prompt, choices)
+        body["usage"] = usage(n_prompt, choices, self.tags)
         return body
 
     # ---- stream chunks ----
@@ -170,5 +183,5 @@ class Formatter:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         chunk = self._head(obj)
         chunk["choices"] = []
-        chunk["usage"] = usage(n_prompt, choices)
+        chunk["usage"] = usage(n_prompt, choices, self.tags)
         return sse(chunk)

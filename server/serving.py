@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from experiments.manager import ExperimentManager
 from server import llama_api
 from server.async_engine import AsyncEngine, RequestFailedError, RequestStream
+from server.experiment_runs import ARM_HEADER, KEY_HEADER, track
 from server.prompts import Prompt, PromptBuilder
 from server.protocol import APIError, GenerationRequest
-from server.responses import DONE, Choice, Formatter, sse
+from server.responses import DONE, Choice, Formatter, sse, with_experiment
+from server.tokenizing import PromptLanes
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-", "infill": "infill-",
@@ -33,8 +36,10 @@ class Serving:
     def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: int,
                  infill_speculative: dict[str, Any] | None = None,
                  draft_models: dict[str, str] | None = None,
-                 eagle_heads: dict[str, str] | None = None) -> None:
+                 eagle_heads: dict[str, str] | None = None,
+                 experiments: ExperimentManager | None = None) -> None:
         self.engine = engine
+        self.experiments = experiments
         self.infill_speculative = infill_speculative
         # The draft models a request may name (name -> what the engine loads): the operator's
         # choice, never a path from a client.
@@ -46,9 +51,8 @@ class Serving:
         self.model_name = model_name
         self.builder = PromptBuilder(engine.engine.tokenizer, max_model_len,
                                      tuple(getattr(engine.engine, "eos_token_ids", ())))
-        # One thread: tokenizing a long prompt must not stall the event loop, and the builder's
-        # tokenizer copy must not be used by two threads at once.
-        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
+        # Off the event loop, huge prompts in a lane of their own (server/tokenizing.py).
+        self.lanes = PromptLanes(self.builder)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -57,37 +61,51 @@ class Serving:
 
     async def handle(self, req: GenerationRequest, request: Request) -> Response:
         self.check_model(req.model)
-        loop = asyncio.get_running_loop()
-        prompt = await loop.run_in_executor(self._tokenize, self.builder.build, req)
+        arrival = time.monotonic()
+        prompt = await self.lanes.build(req)
         params = self.builder.fit(req, prompt)
+        rid = _ID_PREFIX[req.kind] + uuid.uuid4().hex
+        # A request that chose its speculation is outside every experiment.
+        arm = None
+        if params.speculative is None and self.experiments is not None:
+            arm = self.experiments.assign(rid, req.user, request.headers.get(KEY_HEADER))
+            if arm is not None:
+                params = dataclasses.replace(params, speculative=dict(arm.speculative))
         if req.kind == "infill" and params.speculative is None and self.infill_speculative:
             params = dataclasses.replace(params, speculative=dict(self.infill_speculative))
         if params.speculative is not None:
-            params = dataclasses.replace(params, speculative=self._allowed(params.speculative))
-        rid = _ID_PREFIX[req.kind] + uuid.uuid4().hex
+            params = dataclasses.replace(params, speculative=self.allowed(params.speculative))
         streams = await self._submit(rid, prompt.ids, params, req.n)
         fmt = Formatter(req.kind, self.model_name, self.builder, rid)
         n_prompt = len(prompt.ids)
+        headers: dict[str, str] = {}
+        if arm is not None and self.experiments is not None:
+            streams = track(self.experiments, arm, rid, n_prompt, arrival, streams,
+                            self.engine.metrics)
+            fmt.tags = arm.tags
+            headers[ARM_HEADER] = arm.header
         if req.stream:
             if req.kind == "chat":
                 body = _stream_chat(fmt, req, streams, n_prompt)
             elif req.kind in LLAMA_KINDS:
-                body = self._stream_llama(req, streams, prompt, params)
+                body = self._stream_llama(req, streams, prompt, params, fmt.tags)
             else:
                 body = _stream_completion(fmt, req, streams, n_prompt, prompt.text)
-            return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(body, media_type="text/event-stream",
+                                     headers={**SSE_HEADERS, **headers})
         choices = await _collect(streams, request)
         if choices is None:  # the client left; nobody reads this
             return Response(status_code=499)
         if req.kind == "chat":
-            return JSONResponse(fmt.chat(choices, n_prompt, req.chat_logprobs))
+            return JSONResponse(fmt.chat(choices, n_prompt, req.chat_logprobs), headers=headers)
         if req.kind in LLAMA_KINDS:
-            return JSONResponse(self._llama_final(choices[0], req, prompt, params, False))
+            body = self._llama_final(choices[0], req, prompt, params, False, fmt.tags)
+            return JSONResponse(body, headers=headers)
         prefix = prompt.text if req.echo else ""
         return JSONResponse(fmt.completion(choices, n_prompt, prefix,
-                                           req.params.logprobs is not None))
+                                           req.params.logprobs is not None), headers=headers)
 
-    def _allowed(self, spec: dict[str, Any]) -> dict[str, Any]:
+    def allowed(self, spec: dict[str, Any]) -> dict[str, Any]:
         """A request's speculation with its draft model mapped to what the server loads; a name
         the operator did not allow is a 400 that says nothing of the filesystem."""
         spec = dict(spec)
@@ -105,13 +123,18 @@ class Serving:
         return spec
 
     def _llama_final(self, choice: Choice, req: GenerationRequest, prompt: Prompt,
-                     params: Any, stream: bool) -> dict[str, Any]:
-        return llama_api.final_body(choice, len(prompt.ids), prompt.text, params, req.llama,
+                     params: Any, stream: bool,
+                     tags: dict[str, str] | None = None) -> dict[str, Any]:
+        body = llama_api.final_body(choice, len(prompt.ids), prompt.text, params, req.llama,
                                     self.model_name, self.builder.max_model_len, stream,
                                     prompt.truncated, self.builder)
+        if tags and "speculative" in body:
+            body["speculative"] = with_experiment(body["speculative"], tags)
+        return body
 
     async def _stream_llama(self, req: GenerationRequest, streams: list[RequestStream],
-                            prompt: Prompt, params: Any) -> AsyncIterator[bytes]:
+                            prompt: Prompt, params: Any,
+                            tags: dict[str, str] | None = None) -> AsyncIterator[bytes]:
         """llama.cpp streams an object per step with `content` and `stop: false`, then the
         whole response with empty `content` and `stop: true`; no [DONE]."""
         choice = Choice(0)
@@ -121,7 +144,7 @@ class Serving:
                 if out.delta_text or out.delta_token_ids:
                     yield sse(llama_api.partial_body(out, len(prompt.ids), req.llama,
                                                      self.builder))
-            yield sse(self._llama_final(choice, req, prompt, params, True))
+            yield sse(self._llama_final(choice, req, prompt, params, True, tags))
         except RequestFailedError as exc:
             yield _error_event(exc)
 

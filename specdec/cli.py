@@ -1,4 +1,4 @@
-"""The `specdec` command: generate, pull, serve."""
+"""The `specdec` command: generate, pull, serve, train-drafter, ab."""
 
 from __future__ import annotations
 
@@ -119,14 +119,22 @@ def _train(argv: list[str]) -> int:
     return train_main(argv)
 
 
-COMMANDS = {"generate": _generate, "pull": _pull, "serve": _serve, "train-drafter": _train}
+def _ab(argv: list[str]) -> int:
+    from experiments.cli import main as ab_main
+
+    return ab_main(argv)
 
 
-USAGE = ("usage: specdec {generate,pull,serve,train-drafter} ...\n"
+COMMANDS = {"generate": _generate, "pull": _pull, "serve": _serve, "train-drafter": _train,
+            "ab": _ab}
+
+
+USAGE = ("usage: specdec {generate,pull,serve,train-drafter,ab} ...\n"
          "  generate [--model M] PROMPT   complete a prompt (streams)\n"
          "  pull NAME                     install a preset model\n"
          "  serve [--model M] ...         OpenAI-compatible HTTP server\n"
          "  train-drafter --target M ...  train an EAGLE head\n"
+         "  ab {export,report,run} ...    A/B experiments between drafters\n"
          "`specdec COMMAND --help` lists a command's options and their defaults.")
 
 

@@ -12,6 +12,7 @@ the outputs (detokenizing) is left to the engine, after the next pass is launche
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from specdec.model_runner import ModelRunner
     from specdec.output_builder import OutputBuilder
     from specdec.scheduler import Scheduler
+
+log = logging.getLogger("specdec.engine")
 
 # (request, its new tokens, their logprobs or None, finished): what an output is built from.
 Settled = tuple[Request, list[int], Any, bool]
@@ -97,29 +100,39 @@ class StepCommitter:
         settled: list[Settled] = []
         now = time.monotonic()
         for b, row in enumerate(step.rows):
-            r, seq = row.req, row.req.seq
-            if seq.is_finished:
+            if row.req.seq.is_finished:
                 continue  # stopped at the step before: this step ran past its end
-            new, accepted = new_h[b], acc_h[b]
-            if not row.decode:
-                self.blocks.commit(seq, seq.num_tokens)  # a completed prefill: all have KV
-            else:
-                if step.features is not None and self.drafting.wants_features(r):
-                    self.drafting.observe_verified(
-                        r, row.context, [seq.last_token] + new[:len(accepted)], step.features,
-                        step.capture, row.query_row, accepted)
-                if not step.kv_moved:
-                    # KV of the accepted path moves to consecutive positions after the root.
-                    for j, a in enumerate(accepted):
-                        if a != j:
-                            src.append(self.blocks.slot(seq, row.context + 1 + a))
-                            dst.append(self.blocks.slot(seq, row.context + 1 + j))
-                self.blocks.commit(seq, row.context + len(new), in_flight)
-                if r.metrics is not None:
-                    self._record(r, row.parents, len(accepted))
-            settled.append(self.settle(r, new, lp.get(b), now))
+            try:
+                settled.append(self._commit_row(step, row, new_h[b], acc_h[b], lp.get(b),
+                                                in_flight, now, src, dst))
+            except Exception as exc:  # a drafter's or a stop rule's: this request's alone
+                log.exception("committing %s failed", row.req.request_id)
+                row.req.fail(f"engine error: {exc}")
         self.runner.move_kv(src, dst)
         return settled
+
+    def _commit_row(self, step: Launched, row: Row, new: list[int], accepted: list[int],
+                    logprobs: list | None, in_flight: int, now: float, src: list[int],
+                    dst: list[int]) -> Settled:
+        """Settle one row; the KV moves its accepted path needs are appended to src, dst."""
+        r, seq = row.req, row.req.seq
+        if not row.decode:
+            self.blocks.commit(seq, seq.num_tokens)  # a completed prefill: all have KV
+        else:
+            if step.features is not None and self.drafting.wants_features(r):
+                self.drafting.observe_verified(
+                    r, row.context, [seq.last_token] + new[:len(accepted)], step.features,
+                    step.capture, row.query_row, accepted)
+            if not step.kv_moved:
+                # KV of the accepted path moves to consecutive positions after the root.
+                for j, a in enumerate(accepted):
+                    if a != j:
+                        src.append(self.blocks.slot(seq, row.context + 1 + a))
+                        dst.append(self.blocks.slot(seq, row.context + 1 + j))
+            self.blocks.commit(seq, row.context + len(new), in_flight)
+            if r.metrics is not None:
+                self._record(r, row.parents, len(accepted))
+        return self.settle(r, new, logprobs, now)
 
     def settle(self, r: Request, new: list[int], logprobs: list | None, now: float) -> Settled:
         """Append r's new tokens (whose KV is committed) up to its first stop condition; finish

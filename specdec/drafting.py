@@ -12,6 +12,7 @@ After the target pass, drafters that consume target hidden states (EAGLE) get th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,6 +28,8 @@ from specdec.request import NO_SPECULATION, Request, Speculation
 from specdec.scheduler import StepPlan
 from specdec.spec_control import Candidate, SpeculationController, prior_for
 from specdec.step_inputs import NO_DRAFT, Draft
+
+log = logging.getLogger("specdec.engine")
 
 # (method, source, options) -> a drafter: specdec.engine builds drafters for the target.
 DrafterFactory = Callable[[str, "str | None", dict], Drafter]
@@ -113,7 +116,9 @@ class Drafting:
         return r.drafter.max_nodes(r.depth, r.spec.options) if r.depth else 0
 
     def propose(self, plan: StepPlan, requests: dict[str, Request]) -> list[Draft]:
-        """Per decode in the plan, its draft tree (a drafter's requests in one batch)."""
+        """Per decode in the plan, its draft tree (a drafter's requests in one batch). A batch
+        whose drafter raises is proposed again one request at a time: a request whose own
+        proposal raises fails alone (`Request.fail`) and decodes without a draft."""
         drafts = [NO_DRAFT] * len(plan.decodes)
         groups: dict[tuple[str, str | None], list[int]] = {}
         for i, d in enumerate(plan.decodes):
@@ -129,20 +134,47 @@ class Drafting:
                 options=r.spec.options, params=r.seq.params, generator=r.generator)
                 for i, r in zip(idxs, reqs)]
             drafter = reqs[0].drafter
-            tree: DraftTree = drafter.propose(batch)
+            try:
+                tree: DraftTree = drafter.propose(batch)
+            except Exception:
+                log.exception("drafter %r failed on a batch of %d", reqs[0].spec.method,
+                              len(batch))
+                for i, r, b in zip(idxs, reqs, batch):
+                    self._propose_alone(drafts, i, r, b, plan.decodes[i].max_draft_nodes)
+                continue
             self.controller.record_draft(reqs[0].spec.method, max(b.k for b in batch),
                                          time.perf_counter() - t0, drafter.last_catch_up)
-            # Whole-batch host copies: one conversion each, not one per sequence.
-            all_toks, all_pars = tree.host_lists()
-            stoch = tree.stochastic.tolist() if tree.draft_probs is not None else None
-            for j, i in enumerate(idxs):
-                s, e = tree.offsets[j], tree.offsets[j + 1]
-                m = plan.decodes[i].max_draft_nodes
-                probs = None
-                if stoch is not None and e > s and all(stoch[s:e]):
-                    probs = tree.draft_probs[s:e][:m]
-                drafts[i] = Draft(all_toks[s:e][:m], all_pars[s:e][:m], probs)
+            self._fill(drafts, idxs, tree, [plan.decodes[i].max_draft_nodes for i in idxs])
         return drafts
+
+    def _propose_alone(self, drafts: list[Draft], i: int, r: Request, b: DraftRequest,
+                       max_nodes: int) -> None:
+        """After its batch raised: r's own proposal (its drafter first forgets what the failed
+        batch may have left half-done), or r fails."""
+        self.release(r)
+        try:
+            tree = r.drafter.propose([b])
+        except Exception as exc:
+            log.exception("drafter %r failed for %s", r.spec.method, r.request_id)
+            r.fail(f"speculative drafter {r.spec.method!r} failed: {exc}")
+            self.release(r)
+            return
+        self._fill(drafts, [i], tree, [max_nodes])
+
+    @staticmethod
+    def _fill(drafts: list[Draft], idxs: list[int], tree: DraftTree,
+              max_nodes: list[int]) -> None:
+        """Cut a batch's tree into its requests' drafts, at most max_nodes[j] nodes each."""
+        # Whole-batch host copies: one conversion each, not one per sequence.
+        all_toks, all_pars = tree.host_lists()
+        stoch = tree.stochastic.tolist() if tree.draft_probs is not None else None
+        for j, i in enumerate(idxs):
+            s, e = tree.offsets[j], tree.offsets[j + 1]
+            m = max_nodes[j]
+            probs = None
+            if stoch is not None and e > s and all(stoch[s:e]):
+                probs = tree.draft_probs[s:e][:m]
+            drafts[i] = Draft(all_toks[s:e][:m], all_pars[s:e][:m], probs)
 
     def device_kind(self, r: Request) -> tuple | None:
         """How the device can draft for `r` (chained steps, specdec/chaining.py): ("table",),
@@ -198,8 +230,12 @@ class Drafting:
 
     def release(self, r: Request) -> None:
         """The request finished or was preempted: its drafter drops what it held for it."""
-        if r.drafter is not None:
+        if r.drafter is None:
+            return
+        try:
             r.drafter.release(r.request_id)
+        except Exception:  # a drafter that cannot forget a request must not fail a step
+            log.exception("drafter %r could not release %s", r.spec.method, r.request_id)
 
     def record(self, r: Request, drafted: int, accepted: int, emitted: int, depth: int) -> None:
         r.metrics.record(drafted, accepted, emitted, depth)

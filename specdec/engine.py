@@ -8,6 +8,10 @@ launch the pass and its verification (specdec/verdict.py); build the outputs
 (specdec/output_builder.py). With overlap on, a launched step is committed by the next call,
 after that call has launched its own pass or staged it: the host's bookkeeping and
 detokenizing of step n run while step n + 1 computes.
+
+Work done for one request that raises (its drafter's proposal, the commit of its row) fails that
+request alone (`Request.fail`); a step that raises as a whole is pinned on its request by
+specdec/isolation.py, through `run_only` and `fail_request`.
 """
 
 from __future__ import annotations
@@ -214,6 +218,22 @@ class LLMEngine:
         if r is not None:
             r.seq.aborted = True
 
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End the request at the next step with finish reason "error" and `message`."""
+        r = self.requests.get(request_id)
+        if r is not None:
+            r.fail(message)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The requests in the engine, in arrival order."""
+        return [rid for rid, r in self.requests.items() if not r.seq.is_finished]
+
+    def run_only(self, request_ids: set[str] | None) -> None:
+        """Let steps run only these requests (None: all): specdec/isolation.py finds the
+        request that makes a step raise by running suspects apart."""
+        self.scheduler.run_only(request_ids)
+
     def stats(self) -> dict[str, Any]:
         return {"kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
                 "prefix_cache_queries": self.blocks.prefix_queries,
@@ -251,6 +271,12 @@ class LLMEngine:
                         self._launched = launched  # committed by the next call
                     elif launched is not None:
                         settled += self._commit(launched)
+        except Exception:
+            # Drafters may be left half-updated (a proposal never told what was accepted):
+            # they forget every request and catch up at its next proposal.
+            for r in self.requests.values():
+                self.drafting.release(r)
+            raise
         finally:  # outputs of a step that raised are returned by the next call
             outputs += [self._output(*s) for s in settled]
             outputs += [self._output(r, [], None, True) for r in aborted]
@@ -268,7 +294,7 @@ class LLMEngine:
     def _finish_aborted(self) -> list[Request]:
         aborted = [r for r in self.requests.values() if r.seq.aborted and not r.seq.is_finished]
         for r in aborted:
-            r.seq.finish_reason = "abort"
+            r.seq.finish_reason = "abort" if r.error is None else "error"
             self.scheduler.finish(r.seq)
             self.drafting.release(r)
         return aborted

@@ -62,7 +62,7 @@ class OutputBuilder:
             delta_text=delta, finished=finished, finish_reason=seq.finish_reason,
             logprobs=logprobs, spec=r.metrics, num_cached_tokens=seq.num_cached_prompt_tokens,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-            stop_reason=seq.stop_reason)
+            stop_reason=seq.stop_reason, error=r.error)
 
 
 def _cut_at_stop(r: Request, kept: list[int], at: int) -> list[int]:

@@ -18,6 +18,8 @@ class SpecMetrics:
     emitted_tokens: int = 0
     rejected_steps: int = 0  # verifications that stopped before the end of the draft
     accepted_per_position: list[int] = field(default_factory=list)
+    # verifications that offered a token at draft depth i (a tree counts once per depth)
+    drafted_per_position: list[int] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -35,16 +37,19 @@ class SpecMetrics:
         self.draft_tokens += num_draft
         self.accepted_tokens += accepted_depth
         self.emitted_tokens += emitted
-        while len(self.accepted_per_position) < accepted_depth:
-            self.accepted_per_position.append(0)
-        for i in range(accepted_depth):
-            self.accepted_per_position[i] += 1
+        depth = num_draft if draft_depth is None else draft_depth
+        for counts, n in ((self.accepted_per_position, accepted_depth),
+                          (self.drafted_per_position, depth)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
 
     def to_dict(self) -> dict:
         return {"method": self.method, "draft_tokens": self.draft_tokens,
                 "accepted_tokens": self.accepted_tokens, "steps": self.steps,
                 "tau": round(self.tau, 4), "acceptance_rate": round(self.acceptance_rate, 4),
-                "accepted_per_position": list(self.accepted_per_position)}
+                "accepted_per_position": list(self.accepted_per_position),
+                "drafted_per_position": list(self.drafted_per_position)}
 
 
 @dataclass
@@ -70,3 +75,4 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     stop_reason: str | int | None = None  # see Sequence.stop_reason
+    error: str | None = None  # finish reason "error": what failed (Request.fail)

@@ -60,7 +60,15 @@ class Request:
     metrics: SpecMetrics | None  # None when the request does not speculate
     drafter: Drafter | None = None  # its spec's drafter instance (Drafting.drafter); None: none
     depth: int = 0  # this step's draft depth (the request's k or the controller's choice)
+    error: str | None = None  # why the request failed (`fail`); None while it has not
 
     @property
     def request_id(self) -> str:
         return self.seq.request_id
+
+    def fail(self, message: str) -> None:
+        """Work done for this request alone raised: it ends at the next step with finish reason
+        "error" and `message`, and the other requests of the batch go on."""
+        if self.error is None:
+            self.error = message
+        self.seq.aborted = True

@@ -56,22 +56,38 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
+        self.held: list[Sequence] = []  # set aside by `run_only`, blocks kept, not scheduled
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
+
+    def run_only(self, request_ids: set[str] | None) -> None:
+        """Schedule only these requests until the next call; None: all of them again. The others
+        keep their place and their blocks (specdec/isolation.py runs suspects apart)."""
+        for seq in self.held:
+            (self.running if seq.status is SeqStatus.RUNNING else self.waiting).append(seq)
+        self.held = []
+        self.running.sort(key=lambda q: q.arrival_time)
+        self.waiting = deque(sorted(self.waiting, key=lambda q: q.arrival_time))
+        if request_ids is None:
+            return
+        self.held = [q for q in (*self.running, *self.waiting) if q.request_id not in request_ids]
+        gone = {id(q) for q in self.held}
+        self.running = [q for q in self.running if id(q) not in gone]
+        self.waiting = deque(q for q in self.waiting if id(q) not in gone)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
         seq.status = SeqStatus.FINISHED
         self.blocks.free_seq(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.held):
+            if seq in queue:
+                queue.remove(seq)
+                break
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.blocks.free_seq(seq)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ class ServerProcess:
 
     args: list[str]
     port: int = field(default_factory=free_port)
+    module: str = "server"  # what `python -m` runs (tests/fault_server.py injects faults)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
@@ -72,9 +74,11 @@ class ServerProcess:
     def launch(self, log_path: Path) -> ServerProcess:
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        # No test server reads or writes the user's experiments (--experiments-db overrides).
+        env.setdefault("SPECDEC_EXPERIMENTS_DB", ":memory:")
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "server", "--port", str(self.port), *self.args],
+                [sys.executable, "-m", self.module, "--port", str(self.port), *self.args],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self
 
@@ -105,6 +109,15 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait(5)
+
+    def serving(self, log_path: Path) -> Iterator[ServerProcess]:
+        """A fixture's body: start, hand the server out, and check it stopped cleanly."""
+        self.start(log_path)
+        try:
+            yield self
+        finally:
+            code = self.stop()
+        assert code == 0, self.log()
 
 
 def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -185,6 +198,7 @@ class FakeOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     stop_reason: Any = None
+    error: str | None = None
 
 
 class FakeEngine:
@@ -202,10 +216,22 @@ class FakeEngine:
         self.step_s = step_s
         self.seqs: dict[str, dict[str, Any]] = {}
         self.order: list[str] = []
+        self.only: set[str] | None = None  # run_only
 
     @property
     def running(self) -> list[str]:
-        return self.order[:self.max_num_seqs]
+        return [r for r in self.order if self.only is None or r in self.only][:self.max_num_seqs]
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self.order)
+
+    def run_only(self, request_ids: set[str] | None) -> None:
+        self.only = None if request_ids is None else set(request_ids)
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        if request_id in self.seqs:
+            self.seqs[request_id].update(aborted=True, error=message)
 
     @property
     def num_running(self) -> int:
@@ -248,7 +274,7 @@ class FakeEngine:
         for rid in list(self.running):
             s = self.seqs[rid]
             if s["aborted"]:
-                outs.append(self._finish(rid, [], "abort"))
+                outs.append(self._finish(rid, [], "error" if s.get("error") else "abort"))
                 continue
             if s["poison"]:
                 raise RuntimeError("poisoned request")
@@ -286,7 +312,7 @@ class FakeEngine:
         s["sent"] = s["text"]
         out = FakeOutput(rid, s["prompt"], list(s["out"]), s["text"], new,
                          s["text"][len(prev):], reason is not None, reason, lp, s["spec"], 0,
-                         s["arrival"], s["first"], s.get("stop_reason"))
+                         s["arrival"], s["first"], s.get("stop_reason"), s.get("error"))
         if reason is not None:
             self.order.remove(rid)
             del self.seqs[rid]

@@ -188,3 +188,26 @@ def test_blocks_filled_by_accepted_drafts_are_cached_under_their_tokens():
     bm.commit(s, 11)  # the bonus token's KV (the next step's root)
     later = seq("b", s.tokens + [99])
     assert bm.allocate_prefix(later) == 8  # blocks [0..3] and [4, 5, 50, 51]
+
+
+def test_run_only_sets_requests_aside_with_their_blocks():
+    """Fault isolation (specdec/isolation.py): held requests are not scheduled, keep their
+    blocks, can finish while held, and come back in arrival order."""
+    bm = BlockManager(16, 4)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm, 512)
+    seqs = [seq(str(i), [1, 2, 3, 4]) for i in range(4)]
+    for s in seqs[:3]:
+        sch.add(s)
+    sch.schedule()
+    sch.add(seqs[3])  # still waiting
+    used = bm.num_used
+    sch.run_only({"1", "3"})
+    plan = sch.schedule()
+    assert {p.seq.request_id for p in plan.prefills} == {"1", "3"} and not plan.decodes
+    assert bm.num_used > used and all(seqs[i].block_table for i in (0, 2))
+    sch.finish(seqs[2])  # aborted while held
+    sch.run_only(None)
+    assert [s.request_id for s in sch.running] == ["0", "1", "3"] and not sch.held
+    sch.run_only(set())
+    assert sch.schedule().empty and sch.has_unfinished()
+    sch.run_only(None)

@@ -173,3 +173,41 @@ def test_bad_requests_are_clear_errors(tiny_llama):
         llm.engine.add_request("c", [1, 10_000], GREEDY)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+@pytest.mark.parametrize("spec", [{"method": "none"},
+                                  {"method": "ngram", "num_speculative_tokens": 4}],
+                         ids=lambda s: s["method"])
+def test_constant_kv_pressure_keeps_outputs_and_starves_nobody(tiny_llama, reference, spec):
+    """A KV cache a little over the longest request (72 tokens): twelve requests preempt each
+    other all the time; each still gets its unpressured output, and finishes within a bound of
+    steps (each request's prompt and output computed one token a step, one request at a time,
+    is far more than recomputing after preemptions takes)."""
+    llm = LLM(model=str(tiny_llama), speculative=spec, block_size=4, num_blocks=20,
+              max_num_batched_tokens=32)
+    eng = llm.engine
+    preempted = 0
+    schedule = eng.scheduler.schedule
+
+    def counting(*args, **kw):
+        nonlocal preempted
+        plan = schedule(*args, **kw)
+        preempted += len(plan.preempted)
+        return plan
+
+    eng.scheduler.schedule = counting
+    prompts = PROMPTS * 2
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, GREEDY)
+    done: dict[str, list[int]] = {}
+    bound = sum(len(p) + GREEDY.max_tokens for p in prompts)
+    steps = 0
+    while eng.has_unfinished():
+        steps += 1
+        assert steps <= bound, f"{len(done)} of {len(prompts)} finished after {bound} steps"
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert [done[str(i)] for i in range(len(prompts))] == reference * 2
+    assert preempted >= len(prompts)
+    assert eng.blocks.num_used == 0

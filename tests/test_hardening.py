@@ -189,3 +189,12 @@ def test_control_tokens_typed_in_chat_stay_text() -> None:
 def test_stop_bounds(extra: dict, param: str) -> None:
     r = post({"prompt": "hi", "max_tokens": 2, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_wrong_method_is_a_405_with_allow() -> None:
+    async def go() -> None:
+        async with client() as c:
+            r = await c.get("/v1/completions")
+            assert r.status_code == 405 and "POST" in r.headers["allow"]
+            assert r.json()["error"]["type"] == "invalid_request_error"
+    run(go())

@@ -84,6 +84,11 @@ def test_greedy_equal_across_speculation(client: openai.OpenAI, tiny_model: Path
     draft = specs["draft_model"]
     assert draft["method"] == "draft_model" and draft["tau"] > 1.0
     assert draft["accepted_tokens"] == sum(draft["accepted_per_position"])
+    # A chain offers one token per depth: the drafted counts add up to the draft tokens, and
+    # no depth accepts more than it was offered.
+    assert draft["draft_tokens"] == sum(draft["drafted_per_position"])
+    assert all(a <= d for a, d in zip(draft["accepted_per_position"],
+                                      draft["drafted_per_position"]))
 
 
 def test_streaming_matches_non_streaming(client: openai.OpenAI) -> None:

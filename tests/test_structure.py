@@ -1,6 +1,7 @@
 """The package layout keeps its rules: no import cycle among specdec/, drafters/,
-verify_kernels/ and server/, and no module imports another module's private (underscore) name.
-Checked on the sources' import statements (top-level and inside functions alike)."""
+verify_kernels/, server/ and experiments/, and no module imports another module's private
+(underscore) name. Checked on the sources' import statements (top-level and inside functions
+alike)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("specdec", "drafters", "verify_kernels", "server")
+PACKAGES = ("specdec", "drafters", "verify_kernels", "server", "experiments")
 
 
 def modules() -> dict[str, Path]:
