@@ -34,10 +34,19 @@ class PromptLanes:
 
     def __init__(self, builder: PromptBuilder, big_chars: int = BIG_PROMPT_CHARS) -> None:
         self.big_chars = big_chars
-        self.lanes = ((builder, ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")),
-                      (copy.deepcopy(builder),
-                       ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize-big")))
+        self.builder = builder
+        self._big_builder: PromptBuilder | None = None  # made on the first huge prompt
+        self.small = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
+        self.big = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize-big")
 
     async def build(self, req: GenerationRequest) -> Prompt:
-        builder, pool = self.lanes[prompt_chars(req) >= self.big_chars]
-        return await asyncio.get_running_loop().run_in_executor(pool, builder.build, req)
+        loop = asyncio.get_running_loop()
+        if prompt_chars(req) < self.big_chars:
+            return await loop.run_in_executor(self.small, self.builder.build, req)
+        if self._big_builder is None:
+            # Copied once, by the first huge prompt, on the small lane's thread (the tokenizer
+            # is never touched by two threads at once); tens of MB a server need not hold
+            # until then.
+            self._big_builder = await loop.run_in_executor(self.small, copy.deepcopy,
+                                                           self.builder)
+        return await loop.run_in_executor(self.big, self._big_builder.build, req)
