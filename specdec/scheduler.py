@@ -2,12 +2,14 @@
 
 Every step the scheduler (1) gives each running decode sequence one slot for its last token
 plus room for a draft tree, shrinking speculation when the step's token budget is tight and
-preempting the most recently admitted sequence (by recomputation) when blocks run out;
-(2) continues chunked prefills; (3) admits waiting requests first come, first served.
+preempting the most recently arrived sequence (by recomputation) when blocks run out;
+(2) continues chunked prefills and admits waiting requests, shortest remaining first, the
+oldest of them always moving on.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -55,7 +57,7 @@ class Scheduler:
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order
+        self.running: list[Sequence] = []  # arrival order
         self.held: list[Sequence] = []  # set aside by `run_only`, blocks kept, not scheduled
 
     def add(self, seq: Sequence) -> None:
@@ -135,43 +137,64 @@ class Scheduler:
                 plan.decodes.append(ScheduledDecode(seq, nodes))
                 budget -= 1 + nodes
 
-        # 2. Waiting requests, then 3. running prefills, in chunks under the token budget.
-        #    Admitting first keeps a short prompt from waiting behind a long one's whole
-        #    prefill (it gets its first token a step later, not a prefill later); while a
-        #    running prefill waits, admissions take at most half of what is left, so that it
-        #    still moves on however many requests arrive.
-        prefill_runs = any(s.status is SeqStatus.RUNNING for s in prefilling)
-        held = budget - budget // 2 if prefill_runs else 0
-        budget = self._admit(budget - held, plan) + held
-        for seq in prefilling:
-            if seq.status is SeqStatus.RUNNING and budget > 0:
-                budget = self._schedule_prefill(seq, budget, plan)
-        if held and budget > 0:  # what the running prefills left
-            self._admit(budget, plan)
+        # 2. Prefills and admissions, shortest remaining first: a short prompt gets its first
+        #    token within a few steps however many long prompts run or wait ahead of it. The
+        #    oldest of them, running or waiting, keeps half of the budget, so it moves on
+        #    however many shorter prompts arrive (and with it every long one, in turn).
+        cands = [s for s in prefilling if s.status is SeqStatus.RUNNING] + list(self.waiting)
+        if not cands:
+            return plan
+        oldest = min(cands, key=lambda q: q.arrival_time)
+        others = sorted((q for q in cands if q is not oldest),
+                        key=lambda q: (q.num_uncomputed, q.arrival_time))
+        floor = budget // 2 if others else 0
+        budget = self._prefill_in_order(others, budget - floor, plan) + floor
+        budget = self._prefill_in_order([oldest], budget, plan)
+        self._prefill_in_order(others, budget, plan)  # what the oldest left
         return plan
 
-    def _admit(self, budget: int, plan: StepPlan) -> int:
-        """Move waiting requests to running, each with a first prefill chunk, in order, while
-        the budget, the sequence limit and the KV cache allow. Returns the budget left."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if not seq.block_table:
-                self.blocks.allocate_prefix(seq)
-            chunk = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_reserve(seq, chunk):
-                if not self.running:
-                    # Nothing to wait for: take what fits, or fail loudly if nothing does.
-                    chunk = self._largest_fit(seq, chunk)
-                    if chunk == 0:
-                        raise RuntimeError("KV cache too small for a single block of prompt")
-                else:
-                    self.blocks.free_seq(seq)
-                    break
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            budget = self._schedule_prefill(seq, budget, plan, chunk)
+    def _prefill_in_order(self, seqs: list[Sequence], budget: int, plan: StepPlan) -> int:
+        """A prefill chunk for each of `seqs` not yet in the plan, in order, admitting waiting
+        ones, while the budget lasts. Returns the budget left."""
+        planned = {id(p.seq) for p in plan.prefills}
+        admitting = True
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if id(seq) in planned:
+                continue
+            if seq.status is SeqStatus.RUNNING:
+                budget = self._schedule_prefill(seq, budget, plan)
+            elif admitting and seq.status is SeqStatus.WAITING and seq in self.waiting:
+                left = self._admit(seq, budget, plan)
+                admitting = left is not None  # no room for it: none after it is admitted
+                budget = budget if left is None else left
         return budget
+
+    def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int | None:
+        """Move a waiting request to running with a first prefill chunk, if the sequence limit
+        and the KV cache allow (None if not). Returns the budget left."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        if not seq.block_table:
+            self.blocks.allocate_prefix(seq)
+        chunk = min(seq.num_uncomputed, budget)
+        if not self.blocks.can_reserve(seq, chunk):
+            if not self.running:
+                # Nothing to wait for: take what fits, or fail loudly if nothing does.
+                chunk = self._largest_fit(seq, chunk)
+                if chunk == 0:
+                    raise RuntimeError("KV cache too small for a single block of prompt")
+            else:
+                self.blocks.free_seq(seq)
+                return None
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        # Kept in arrival order, whatever the admission order: the latest arrival is the one
+        # preempted first.
+        at = bisect.bisect(self.running, seq.arrival_time, key=lambda q: q.arrival_time)
+        self.running.insert(at, seq)
+        return self._schedule_prefill(seq, budget, plan, chunk)
 
     def _largest_fit(self, seq: Sequence, chunk: int) -> int:
         free_slots = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size

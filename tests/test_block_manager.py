@@ -88,12 +88,12 @@ def test_scheduler_chunks_prefill_under_token_budget():
     sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), bm, 512)
     a, b = seq("a", list(range(25))), seq("b", list(range(3)))
     sch.add(a)
-    sch.add(b)
     plan = sch.schedule()
     assert [(p.seq.request_id, p.num_tokens) for p in plan.prefills] == [("a", 10)]
     bm.commit(a, 10)
-    # The short prompt does not wait for the long one's whole prefill: admissions take up to
-    # half of the budget while a prefill runs, and the running prefill the rest.
+    sch.add(b)
+    # The short prompt does not wait for the long one's whole prefill: shorter prefills take up
+    # to half of the budget, and the oldest one the rest.
     plan = sch.schedule()
     assert [(p.seq.request_id, p.num_tokens) for p in plan.prefills] == [("b", 3), ("a", 7)]
     assert plan.prefills[0].completes
@@ -120,6 +120,30 @@ def test_admissions_never_starve_a_running_prefill():
             bm.commit(p.seq, p.seq.num_computed + p.num_tokens)
         for d in plan.decodes:
             bm.commit(d.seq, d.seq.num_computed + 1)
+
+
+def test_short_prompt_passes_long_running_prefills():
+    # Head-of-line blocking: a short prompt behind two long prefills finishes its own within
+    # two steps (shortest remaining first), while the oldest long one keeps half of every
+    # step's budget.
+    bm = BlockManager(256, 4)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8), bm, 512)
+    longs = [seq("l1", list(range(60))), seq("l2", list(range(60)))]
+    for s in longs:
+        sch.add(s)
+    for _ in range(2):
+        for p in sch.schedule().prefills:
+            bm.commit(p.seq, p.seq.num_computed + p.num_tokens)
+    assert all(s.in_prefill for s in longs)
+    short = seq("s", list(range(100, 108)))
+    sch.add(short)
+    for _ in range(2):
+        plan = sch.schedule()
+        got = {p.seq.request_id: p.num_tokens for p in plan.prefills}
+        assert got.get("l1", 0) >= 4, got
+        for p in plan.prefills:
+            bm.commit(p.seq, p.seq.num_computed + p.num_tokens)
+    assert not short.in_prefill and longs[1].in_prefill
 
 
 def test_scheduler_shrinks_speculation_then_preempts_newest():
