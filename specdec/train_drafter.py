@@ -1,24 +1,40 @@
 """`specdec train-drafter`: train an EAGLE head for a target.
 
     specdec train-drafter --target smollm2-135m --data sharegpt --out heads/smollm2 \
-        [--eagle3] [--num-samples 256] [--self-distill 128] [--epochs 4]
+        [--eagle3] [--num-samples 256] [--self-distill 128 [--distill-samples 2]] \
+        [--epochs 4] [--max-feature-gb 4] [--quantize int8]
 
 1. Texts: ShareGPT first turns (through the chat template; with `--responses` followed by the
    recorded reply), HumanEval prompts, or a JSONL file with "text" (raw) or "prompt" (chat) per
    line. The first `--skip` ShareGPT records are left out: they are the held-out prompts of
    bench/ and of the final tau report.
 2. Optionally each prompt is continued by the target's own greedy output (`--self-distill N`
-   tokens): the head then learns the text the target will actually verify.
+   tokens): the head then learns the text the target will actually verify. With
+   `--distill-samples S` each prompt also gets S continuations of N tokens sampled at
+   `--distill-temperature` (default 0.7), each request seeded from `--seed` so a rerun draws
+   the same ones; a draw repeating one already kept for its prompt is redrawn. Sampled text
+   is what the head meets when requests sample. The sequences are kept in
+   OUT/features/sequences.json, so a rerun does not generate them again.
 3. The target runs over the data in batches and stores what the engine would hand the
    drafter: the final normed hidden state (EAGLE-1/2) or the residual streams of the three
-   captured layers (EAGLE-3), plus the target's greedy next token at every position.
+   captured layers (EAGLE-3), plus the target's greedy next token at every position. They go
+   to OUT/features/shard_00000.pt and on (`--shard-size` sequences each, fp16 features), each
+   written whole or not at all: a rerun recomputes only missing or stale shards. The store is
+   bounded by `--max-feature-gb` (estimated as tokens x (2 x feature width + 8) bytes): once
+   the next sequence would pass it, no more are collected (it says so) and training uses what
+   fits. An old-style OUT/features.pt is still read instead if present.
 4. Training unrolls the head `--ttt-steps` times, feeding back its own predicted features as
    drafting does (a step-s row attends committed keys and its own earlier draft keys only).
    Loss: smooth-L1 to the target's next feature (EAGLE-1/2 only) plus cross-entropy to the
    target's greedy token, computed over the tokens seen as labels (a cheap stand-in for the full
    vocabulary on CPU). AdamW, linear warm-up then cosine decay, bf16 autocast on CUDA;
-   a checkpoint after every epoch makes a rerun resume.
-5. tau is measured through the engine on held-out ShareGPT prompts.
+   a checkpoint after every epoch makes a rerun resume (train_state.pt, also holding each
+   epoch's mean loss).
+5. `--quantize int8` stores the head's Linear weights as int8 with float16 scales per output
+   row (or per `--quant-group-size` columns): half the float16 size, for shipping
+   (drafters/eagle_quant.py; `drafters.eagle_head.quantize_head(DIR)` does it to an
+   existing head).
+6. tau is measured through the engine on held-out ShareGPT prompts.
 """
 
 from __future__ import annotations
@@ -34,8 +50,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from drafters.eagle_head import EagleHead, head_config, load_head, save_head
-from specdec.drafter_data import collect, encode, self_distill, texts
+from drafters.eagle_head import (
+    EagleHead,
+    head_config,
+    load_head,
+    save_head,
+    set_draft_vocab,
+    target_to_draft,
+)
+from specdec.drafter_data import (
+    collect_shards,
+    encode,
+    feature_dim,
+    load_shards,
+    self_distill,
+    texts,
+)
 
 
 def _batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -104,8 +134,7 @@ def train(head: EagleHead, embed: torch.nn.Module, lm_w: torch.Tensor,
     dev = args.device
     vocab = lm_w.shape[0]
     if head.eagle3:
-        label_map = torch.full((vocab,), -1, dtype=torch.long)
-        label_map[head.t2d.cpu()] = torch.arange(int(head.t2d.sum()))
+        label_map = target_to_draft(head, torch.arange(vocab, device=head.d2t.device)).cpu()
         vocab_rows = lm_w[:0]
     else:
         seen = torch.unique(torch.cat([r["next"] for r in data]))  # [Vs]
@@ -122,12 +151,14 @@ def train(head: EagleHead, embed: torch.nn.Module, lm_w: torch.Tensor,
         1 + math.cos(math.pi * min(1.0, max(0, i - warm) / max(1, total - warm))))))
     state_file = out / "train_state.pt"
     start_epoch = 0
+    losses: list[float] = []  # mean loss of each epoch
     if state_file.is_file():
         st = torch.load(state_file, map_location="cpu", weights_only=False)
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
         sched.load_state_dict(st["sched"])
         start_epoch = st["epoch"]
+        losses = list(st.get("losses", []))
         print(f"resuming after epoch {start_epoch}")
     amp = dev.startswith("cuda")
     from tqdm import tqdm
@@ -137,6 +168,7 @@ def train(head: EagleHead, embed: torch.nn.Module, lm_w: torch.Tensor,
         perm = torch.randperm(len(data), generator=g).tolist()
         head.train()
         bar = tqdm(range(per_epoch), desc=f"epoch {epoch + 1}/{args.epochs}")
+        total_loss = 0.0
         for i in bar:
             rows = [data[j] for j in perm[i * args.batch_size:(i + 1) * args.batch_size]]
             bt = {k: v.to(dev) for k, v in _batch(rows).items()}
@@ -148,11 +180,62 @@ def train(head: EagleHead, embed: torch.nn.Module, lm_w: torch.Tensor,
             torch.nn.utils.clip_grad_norm_(params, 0.5)
             opt.step()
             sched.step()
+            total_loss += float(loss.detach())
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}",
                             acc="/".join(f"{a:.2f}" for a in acc))
+        losses.append(total_loss / per_epoch)
+        print(f"epoch {epoch + 1}: mean loss {losses[-1]:.4f}")
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(),
-                    "sched": sched.state_dict(), "epoch": epoch + 1}, state_file)
-        save_head(head, out, torch.float16 if args.half else torch.float32)
+                    "sched": sched.state_dict(), "epoch": epoch + 1, "losses": losses},
+                   state_file.with_suffix(".tmp"))
+        state_file.with_suffix(".tmp").replace(state_file)
+        save_head(head, out, torch.float16 if args.half else torch.float32, args.quantize,
+                  args.quant_group_size)
+
+
+def sequences(args: argparse.Namespace, model_path: str, fdir: Path) -> list[list[int]]:
+    """The token sequences to train on, kept in fdir/sequences.json: self-distillation is
+    not redone on a rerun, and a rerun with other data settings is refused."""
+    from transformers import AutoTokenizer
+
+    names = ("target", "data", "num_samples", "skip", "max_len", "responses", "self_distill",
+             "distill_samples") + (("distill_temperature", "seed") if args.distill_samples else ())
+    key = {k: getattr(args, k) for k in names}  # what the sequences depend on
+    f = fdir / "sequences.json"
+    if f.is_file():
+        saved = json.loads(f.read_text())
+        if saved["key"] != key:
+            raise SystemExit(f"{fdir} holds data made with {saved['key']}, not {key}: "
+                             "delete it or choose another --out")
+        return saved["seqs"]
+    t0 = time.time()
+    items = texts(args.data, args.num_samples, args.skip, args.responses)
+    seqs = encode(AutoTokenizer.from_pretrained(model_path), items, args.max_len)
+    if args.self_distill:
+        seqs = self_distill(args.target, seqs, args.self_distill, args.distill_samples,
+                            args.distill_temperature, args.seed)
+        print(f"self-distilled {len(seqs)} sequences in {time.time() - t0:.0f}s")
+    fdir.mkdir(parents=True, exist_ok=True)
+    f.with_suffix(".tmp").write_text(json.dumps({"key": key, "seqs": seqs}))
+    f.with_suffix(".tmp").replace(f)
+    return seqs
+
+
+def training_data(args: argparse.Namespace, model_path: str, target_hf: dict[str, Any],
+                  out: Path) -> list[dict[str, torch.Tensor]]:
+    """Rows of tokens [T], feats [T, F], next [T]: an old-style out/features.pt if there is
+    one, else the feature shards of out/features/ (captured now where missing)."""
+    if (out / "features.pt").is_file():
+        return torch.load(out / "features.pt", weights_only=False)
+    fdir = out / "features"
+    seqs = sequences(args, model_path, fdir)
+    probe = EagleHead(head_config(target_hf, args.eagle3, args.draft_vocab))
+    capture = probe.capture_layers(int(target_hf["num_hidden_layers"]))
+    paths = collect_shards(model_path, seqs, capture,
+                           feature_dim(int(target_hf["hidden_size"]), capture), fdir,
+                           args.batch_size, args.device, args.shard_size,
+                           args.max_feature_gb * 1e9)
+    return load_shards(paths)
 
 
 def measure_tau(target: str, head_dir: Path, n: int, max_tokens: int) -> dict[str, Any]:
@@ -192,6 +275,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="ShareGPT: train on the first user turn and its reply")
     ap.add_argument("--self-distill", type=int, default=0, metavar="N",
                     help="continue each prompt with N greedy target tokens")
+    ap.add_argument("--distill-samples", type=int, default=0, metavar="S",
+                    help="and with S sampled continuations of N tokens each (seeded)")
+    ap.add_argument("--distill-temperature", type=float, default=0.7, metavar="T")
+    ap.add_argument("--max-feature-gb", type=float, default=4.0, metavar="G",
+                    help="bound on the feature shards on disk; sequences past it are left out")
+    ap.add_argument("--shard-size", type=int, default=64, help="sequences per feature shard")
+    ap.add_argument("--quantize", choices=["int8"], default=None,
+                    help="store the head's Linear weights as int8 with float16 scales")
+    ap.add_argument("--quant-group-size", type=int, default=0,
+                    help="columns per int8 scale (0: one scale per output row)")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -206,32 +299,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.distill_samples and not args.self_distill:
+        ap.error("--distill-samples needs --self-distill N (the continuation length)")
+    if args.distill_samples < 0 or args.distill_temperature <= 0 or args.shard_size < 1:
+        ap.error("--distill-samples must be >= 0, --distill-temperature > 0, --shard-size >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    from transformers import AutoTokenizer
-
     from specdec.config import ModelConfig, resolve_model_config
 
     mc = resolve_model_config(ModelConfig(model=args.target))
     target_hf = json.loads((Path(mc.path) / "config.json").read_text())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    data_file = out / "features.pt"
     t0 = time.time()
-    if data_file.is_file():
-        data = torch.load(data_file, weights_only=False)
-    else:
-        tok = AutoTokenizer.from_pretrained(mc.path)
-        items = texts(args.data, args.num_samples, args.skip, args.responses)
-        seqs = encode(tok, items, args.max_len)
-        if args.self_distill:
-            seqs = self_distill(args.target, seqs, args.self_distill)
-            print(f"self-distilled {len(seqs)} sequences in {time.time() - t0:.0f}s")
-        probe = EagleHead(head_config(target_hf, args.eagle3, args.draft_vocab))
-        capture = probe.capture_layers(int(target_hf["num_hidden_layers"]))
-        data = collect(str(mc.path), seqs, capture, args.batch_size, args.device)
-        torch.save(data, data_file)
+    data = training_data(args, str(mc.path), target_hf, out)
+    if not data:
+        raise SystemExit("no training sequences (is --max-feature-gb too small for one?)")
     print(f"{len(data)} sequences, {sum(r['tokens'].numel() for r in data)} tokens "
           f"({time.time() - t0:.0f}s)")
     from specdec.models.loader import build_model
@@ -245,10 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     elif head.eagle3:
         counts = torch.bincount(torch.cat([r["next"] for r in data]),
                                 minlength=int(target_hf["vocab_size"]))
-        keep = counts.topk(min(args.draft_vocab, counts.numel())).indices.sort().values
-        head.d2t.copy_(keep - torch.arange(keep.numel()))
-        head.t2d.zero_()
-        head.t2d[keep] = True
+        # The target's most frequent greedy tokens: what the head's labels are.
+        set_draft_vocab(head, counts.topk(min(args.draft_vocab, counts.numel())).indices)
     train(head, target.model.embed_tokens, target.lm_head.weight.detach(), data, args, out)
     print(f"head saved to {out} ({time.time() - t0:.0f}s)")
     if args.eval_prompts:
