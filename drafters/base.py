@@ -54,6 +54,11 @@ COMMON_OPTIONS = {"method": Option(str), "num_speculative_tokens": Option(int, 0
                   "adaptive": Option(bool)}
 
 
+# What `"method": "auto"` chooses between, per sequence and step (specdec/spec_control.py): the
+# drafters that need nothing from the target but its tokens, so one not chosen stays current.
+AUTO_DRAFTERS = ("ngram", "draft_model")
+
+
 def check_speculative(spec: dict[str, Any]) -> None:
     """Raise ValueError (naming the key) unless `spec` is a valid speculative dict: a known
     method, and only the keys that method takes, each of its type and within its bounds."""
@@ -61,7 +66,10 @@ def check_speculative(spec: dict[str, Any]) -> None:
     if not isinstance(method, str):
         raise ValueError("speculative.method must be a string")
     known = dict(COMMON_OPTIONS)
-    if method != "none":
+    if method == "auto":
+        for m in AUTO_DRAFTERS:
+            known.update(drafter_class(m).options)
+    elif method != "none":
         known.update(drafter_class(method).options)
     for key, v in spec.items():
         opt = known.get(key)
@@ -77,12 +85,15 @@ def check_speculative(spec: dict[str, Any]) -> None:
 class Drafter(ABC):
     """Proposes draft trees; learns afterwards what the target accepted.
 
-    Capabilities are fields: `needs_hidden_states` (consumes target hidden states).
+    Capabilities are fields: `needs_hidden_states` (consumes target hidden states),
+    `proposes_by_lookup` (a lookup, no model: free, and sometimes it finds nothing).
     `options`: the per-request options it reads (`check_speculative`)."""
 
     name: ClassVar[str]
     options: ClassVar[dict[str, Option]] = {}
     needs_hidden_states: ClassVar[bool] = False
+    # Proposes by looking the context up (no model): free, but it may find nothing to propose.
+    proposes_by_lookup: ClassVar[bool] = False
     # Tokens the last proposal fed before its first draft (a draft model catching up after
     # steps without it); the speculation controller does not time such proposals.
     last_catch_up: int = 1

@@ -53,6 +53,7 @@ class NgramDrafter(Drafter):
     (False): chains of k tokens always, drafted on the device in overlapped steps."""
 
     name = "ngram"
+    proposes_by_lookup = True
     options = {"min_n": Option(int, 1, 16), "max_n": Option(int, 1, 16),
                "branches": Option(int, 1, 8), "on_device": Option(bool)}
 

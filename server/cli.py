@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preset name, HF-style directory or .gguf file")
     p.add_argument("--served-model-name", default=None, help="model id clients must send")
     p.add_argument("--draft-model", default=None, help="draft model for --speculative draft_model")
-    p.add_argument("--speculative", default=None, choices=["ngram", "draft_model", "none"],
+    p.add_argument("--speculative", default=None, choices=["auto", "ngram", "draft_model", "none"],
                    help="default drafter (default: the engine's choice)")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--allowed-hosts", default=None, metavar="HOST,...",
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eagle-heads", default="", metavar="NAME=DIR,...",
                    help="EAGLE heads requests may name in speculative.eagle_head")
     p.add_argument("--infill-speculative", default="ngram",
-                   choices=["default", "ngram", "draft_model", "none"],
+                   choices=["default", "auto", "ngram", "draft_model", "none"],
                    help="speculation for /infill requests that do not choose one; 'default': "
                         "the server's, as for every other request (n-gram lookup over the "
                         "prompt won on bench/fim_eval.py)")
@@ -189,6 +189,11 @@ def _load(args: argparse.Namespace, progress: Progress) -> Any:
         t0 = time.monotonic()
         n = engine.runner.graphs.capture_all(engine.config.scheduler.max_num_seqs, 16)
         log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
+    if engine.plans_speculation:
+        progress.enter("measuring step costs (once per machine, then cached)")
+        t0 = time.monotonic()
+        engine.calibrate_costs()
+        log.info("step costs measured in %.1f s", time.monotonic() - t0)
     progress.enter("warming up")
     engine.add_request("warm-up", [0], SamplingParams(max_tokens=4, temperature=0.0))
     while engine.has_unfinished():

@@ -54,6 +54,13 @@ class ServerMetrics:
         self.verify_steps = Counter(p + "spec_verification_steps",
                                     "Target verification steps of speculating requests",
                                     ["method"], registry=r)
+        # The goodput controller (specdec/spec_control.py), per drafter, since start.
+        self.ctl_depth = Gauge(p + "spec_chosen_depth_steps", "Verifications by the draft "
+                               "depth the controller chose", ["method", "depth"], registry=r)
+        self.ctl_predicted = Gauge(p + "spec_predicted_tokens", "Tokens the controller "
+                                   "expected its choices to emit", ["method"], registry=r)
+        self.ctl_emitted = Gauge(p + "spec_emitted_tokens", "Tokens those verifications "
+                                 "emitted", ["method"], registry=r)
         # A/B experiments (experiments/): one series per experiment and arm, from the records.
         ea = ["experiment", "arm"]
         self.exp_requests = Counter(p + "experiment_requests", "Requests an experiment "
@@ -98,6 +105,11 @@ class ServerMetrics:
         queries = stats.get("prefix_cache_queries") or 0
         if queries:
             self.prefix_hit_rate.set(stats.get("prefix_cache_hits", 0) / queries)
+        for method, st in (stats.get("speculation_control") or {}).items():
+            for depth, n in st["depth_histogram"].items():
+                self.ctl_depth.labels(method, depth).set(n)
+            self.ctl_predicted.labels(method).set(st["predicted_tokens"])
+            self.ctl_emitted.labels(method).set(st["emitted_tokens"])
 
     def observe_finished(self, out: Any, now: float) -> None:
         """Record one finished (or aborted) request from its last RequestOutput."""

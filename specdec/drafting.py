@@ -21,12 +21,14 @@ from typing import Any
 import torch
 
 from drafters import Drafter, DraftRequest, check_speculative, drafter_class
+from drafters.base import AUTO_DRAFTERS
 from drafters.tree import DraftTree
 from specdec.config import SpeculativeConfig
+from specdec.cost_model import CostModel
 from specdec.outputs import SpecMetrics
 from specdec.request import NO_SPECULATION, Request, Speculation
 from specdec.scheduler import StepPlan
-from specdec.spec_control import Candidate, SpeculationController, prior_for
+from specdec.spec_control import Alternative, Candidate, SpeculationController
 from specdec.step_inputs import NO_DRAFT, Draft
 
 log = logging.getLogger("specdec.engine")
@@ -42,7 +44,7 @@ class Drafting:
         self._build = build
         self.adaptive_default = adaptive_default
         self.drafters: dict[tuple[str, str | None], Drafter] = {}
-        self.controller = SpeculationController()
+        self.controller = SpeculationController(CostModel())
         self.totals: dict[str, SpecMetrics] = {}  # per method, over every request
 
     # -- admission --------------------------------------------------------------------------
@@ -56,6 +58,8 @@ class Drafting:
             sc = replace(sc, draft_model=self.default.draft_model)
         if sc.method == "none" or sc.num_speculative_tokens == 0:
             return NO_SPECULATION
+        if sc.method == "auto":
+            return self._resolve_auto(sc)
         drafter_class(sc.method)  # unknown methods fail here, at admission
         opts = dict(sc.options)
         if sc.method == "draft_model":
@@ -74,6 +78,25 @@ class Drafting:
             raise ValueError(f"speculative.{what}: cannot load {spec.source!r}: {exc}") from exc
         return spec
 
+    def _resolve_auto(self, sc: SpeculativeConfig) -> Speculation:
+        """`auto`: the n-gram lookup and, where a draft model is configured, the draft model,
+        each with the options that are its own; the controller picks per sequence and step."""
+        parts = []
+        for method in AUTO_DRAFTERS:
+            opts = {k: v for k, v in sc.options.items() if k in drafter_class(method).options}
+            if method == "draft_model":
+                source = sc.draft_model or self.default.draft_model
+                if not source:
+                    continue
+                opts["draft_model"] = source
+            parts.append(SpeculativeConfig(method, sc.num_speculative_tokens, opts.pop(
+                "draft_model", None), opts))
+        alts = tuple(self.resolve(p.to_dict()) for p in parts)
+        alts = tuple(replace(a, adaptive=True) for a in alts if a.on)
+        if not alts:
+            return NO_SPECULATION
+        return Speculation("auto", sc.num_speculative_tokens, dict(sc.options), True, alts)
+
     def drafter(self, spec: Speculation) -> Drafter:
         key = spec.drafter_key
         d = self.drafters.get(key)
@@ -84,68 +107,100 @@ class Drafting:
             d = self.drafters[key] = self._build(spec.method, spec.source, options)
         return d
 
+    def first_drafter(self, spec: Speculation) -> Drafter:
+        """The drafter a request starts with (an `auto` request's first choice)."""
+        return self.drafter(spec.alternatives[0] if spec.alternatives else spec)
+
     def load_default(self) -> None:
         """Build the engine-wide default drafter now, so that no request pays for it."""
         self.resolve(None)
 
     # -- a step -----------------------------------------------------------------------------
     def depths(self, decoding: list[Request]) -> None:
-        """Set each decode's draft depth for this step: its own k, or the controller's."""
+        """Set each decode's drafter and draft depth for this step: its own k, or the
+        controller's choice for adaptive requests (an `auto` request's drafter too)."""
         fixed: list[Request] = []
         cands: list[Candidate] = []
         for r in decoding:
-            r.depth = 0
+            r.depth, r.active, r.fallback = 0, r.spec, None
             if not r.spec.on:
                 continue
             if r.spec.adaptive:
-                cands.append(Candidate(
-                    r.request_id, r.spec.method, r.spec.k, r.metrics,
-                    r.drafter.max_nodes(1, r.spec.options),
-                    prior_for(self.totals.get(r.spec.method))))
+                cands.append(Candidate(r.request_id, [Alternative(
+                    s.method, s.k, self.drafter(s).max_nodes(1, s.options),
+                    self.controller.survival(r.request_id, s.method, s.k),
+                    self.drafter(s).proposes_by_lookup) for s in self._choices(r)]))
             else:
                 fixed.append(r)
                 r.depth = r.spec.k
         plain = len(decoding) - len(fixed) - len(cands)
         base = len(decoding) + sum(self.max_nodes(r) for r in fixed)
         by_id = {r.request_id: r for r in decoding}
-        for rid, k in self.controller.choose(base, plain, cands).items():
-            by_id[rid].depth = k
+        for rid, ch in self.controller.choose(base, plain, cands).items():
+            r = by_id[rid]
+            choices = self._choices(r)
+            r.active, r.depth = choices[ch.alternative], ch.k
+            r.drafter = self.drafter(r.active)
+            if ch.fallback is not None and ch.k > 0:
+                r.fallback = (choices[ch.fallback], ch.fallback_k)
+
+    @staticmethod
+    def _choices(r: Request) -> tuple[Speculation, ...]:
+        return r.spec.alternatives or (r.spec,)
 
     def max_nodes(self, r: Request) -> int:
-        """The tree size `r` asks the scheduler for at its depth this step."""
-        return r.drafter.max_nodes(r.depth, r.spec.options) if r.depth else 0
+        """The tree size `r` asks the scheduler for at its depth this step (its fallback's,
+        if larger)."""
+        spec = r.active or r.spec
+        n = r.drafter.max_nodes(r.depth, spec.options) if r.depth else 0
+        if r.fallback is not None:
+            fb, k = r.fallback
+            n = max(n, self.drafter(fb).max_nodes(k, fb.options))
+        return n
 
     def propose(self, plan: StepPlan, requests: dict[str, Request]) -> list[Draft]:
-        """Per decode in the plan, its draft tree (a drafter's requests in one batch). A batch
+        """Per decode in the plan, its draft tree (a drafter's requests in one batch); then,
+        for `auto` requests whose lookup found nothing, their fallback drafter's. A batch
         whose drafter raises is proposed again one request at a time: a request whose own
         proposal raises fails alone (`Request.fail`) and decodes without a draft."""
         drafts = [NO_DRAFT] * len(plan.decodes)
+        reqs = [requests[d.seq.request_id] for d in plan.decodes]
+        self._propose_round(plan, reqs, drafts, [
+            i for i, (d, r) in enumerate(zip(plan.decodes, reqs))
+            if d.max_draft_nodes > 0 and r.spec.on and r.depth > 0])
+        missed = [i for i, r in enumerate(reqs)
+                  if r.fallback is not None and not drafts[i].tokens and not r.seq.aborted]
+        for i in missed:
+            r = reqs[i]
+            (r.active, r.depth), r.fallback = r.fallback, None
+            r.drafter = self.drafter(r.active)
+        self._propose_round(plan, reqs, drafts, missed)
+        return drafts
+
+    def _propose_round(self, plan: StepPlan, reqs: list[Request], drafts: list[Draft],
+                       which: list[int]) -> None:
         groups: dict[tuple[str, str | None], list[int]] = {}
-        for i, d in enumerate(plan.decodes):
-            r = requests[d.seq.request_id]
-            if d.max_draft_nodes > 0 and r.spec.on:
-                groups.setdefault(r.spec.drafter_key, []).append(i)
+        for i in which:
+            groups.setdefault(reqs[i].active.drafter_key, []).append(i)
         for idxs in groups.values():
             t0 = time.perf_counter()
-            reqs = [requests[plan.decodes[i].seq.request_id] for i in idxs]
+            group = [reqs[i] for i in idxs]
             batch = [DraftRequest(
                 request_id=r.request_id, tokens=r.seq.tokens,
-                max_nodes=plan.decodes[i].max_draft_nodes, k=r.depth or r.spec.k,
-                options=r.spec.options, params=r.seq.params, generator=r.generator)
-                for i, r in zip(idxs, reqs)]
-            drafter = reqs[0].drafter
+                max_nodes=plan.decodes[i].max_draft_nodes, k=r.depth,
+                options=r.active.options, params=r.seq.params, generator=r.generator)
+                for i, r in zip(idxs, group)]
+            drafter, method = group[0].drafter, group[0].active.method
             try:
                 tree: DraftTree = drafter.propose(batch)
             except Exception:
-                log.exception("drafter %r failed on a batch of %d", reqs[0].spec.method,
-                              len(batch))
-                for i, r, b in zip(idxs, reqs, batch):
+                log.exception("drafter %r failed on a batch of %d", method, len(batch))
+                for i, r, b in zip(idxs, group, batch):
                     self._propose_alone(drafts, i, r, b, plan.decodes[i].max_draft_nodes)
                 continue
-            self.controller.record_draft(reqs[0].spec.method, max(b.k for b in batch),
+            self.controller.record_draft(method, len(batch), max(b.k for b in batch),
                                          time.perf_counter() - t0, drafter.last_catch_up)
             self._fill(drafts, idxs, tree, [plan.decodes[i].max_draft_nodes for i in idxs])
-        return drafts
 
     def _propose_alone(self, drafts: list[Draft], i: int, r: Request, b: DraftRequest,
                        max_nodes: int) -> None:
@@ -155,8 +210,8 @@ class Drafting:
         try:
             tree = r.drafter.propose([b])
         except Exception as exc:
-            log.exception("drafter %r failed for %s", r.spec.method, r.request_id)
-            r.fail(f"speculative drafter {r.spec.method!r} failed: {exc}")
+            log.exception("drafter %r failed for %s", r.active.method, r.request_id)
+            r.fail(f"speculative drafter {r.active.method!r} failed: {exc}")
             self.release(r)
             return
         self._fill(drafts, [i], tree, [max_nodes])
@@ -179,6 +234,8 @@ class Drafting:
     def device_kind(self, r: Request) -> tuple | None:
         """How the device can draft for `r` (chained steps, specdec/chaining.py): ("table",),
         ("lookup", min_n, max_n), or None where only the host can."""
+        if r.spec.alternatives:
+            return None  # the drafter changes from step to step
         drafter, opts = r.drafter, r.spec.options
         if drafter.has_position_table(opts):
             return ("table",)
@@ -229,15 +286,22 @@ class Drafting:
             r.drafter.accepted(r.request_id, r.seq.num_tokens, kept)
 
     def release(self, r: Request) -> None:
-        """The request finished or was preempted: its drafter drops what it held for it."""
+        """The request finished or was preempted: its drafters drop what they held for it."""
         if r.drafter is None:
             return
-        try:
-            r.drafter.release(r.request_id)
-        except Exception:  # a drafter that cannot forget a request must not fail a step
-            log.exception("drafter %r could not release %s", r.spec.method, r.request_id)
+        self.controller.forget(r.request_id)
+        for spec in self._choices(r):
+            drafter = self.drafters.get(spec.drafter_key)
+            if drafter is None:
+                continue
+            try:
+                drafter.release(r.request_id)
+            except Exception:  # a drafter that cannot forget a request must not fail a step
+                log.exception("drafter %r could not release %s", spec.method, r.request_id)
 
     def record(self, r: Request, drafted: int, accepted: int, emitted: int, depth: int) -> None:
+        method = (r.active or r.spec).method
         r.metrics.record(drafted, accepted, emitted, depth)
-        tot = self.totals.setdefault(r.spec.method, SpecMetrics(method=r.spec.method))
+        tot = self.totals.setdefault(method, SpecMetrics(method=method))
         tot.record(drafted, accepted, emitted, depth)
+        self.controller.verified(r.request_id, method, depth, accepted, emitted)

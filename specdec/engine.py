@@ -47,7 +47,7 @@ from specdec.sampler import TokenPieces
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler, StepPlan
 from specdec.sequence import Sequence
-from specdec.step_inputs import Draft, plan_segments
+from specdec.step_inputs import Draft, Segment, plan_segments
 from specdec.stop_rules import TextRules
 from specdec.verdict import verify_step
 
@@ -201,7 +201,7 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                    params.stop, TextRules.of(params)),
             SpecMetrics(method=spec.method) if spec.on else None,
-            self.drafting.drafter(spec) if spec.on else None)
+            self.drafting.first_drafter(spec) if spec.on else None)
         self.scheduler.add(seq)
 
     def load_default_drafter(self) -> None:
@@ -212,6 +212,42 @@ class LLMEngine:
             from specdec.models.loader import release_freed_memory
 
             release_freed_memory()
+
+    @property
+    def plans_speculation(self) -> bool:
+        """Whether requests that say nothing get the controller's depths (and drafters)."""
+        return self.drafting.adaptive_default or self.default_spec.method == "auto"
+
+    def calibrate_costs(self) -> dict[int, float]:
+        """Measure the target pass by query rows, which the speculation controller plans with
+        (specdec/cost_model.py), or load it from the cache of an earlier start on this
+        machine; the server calls this before it reports ready."""
+        from specdec.cost_model import cache_file, machine_name
+        from specdec.hub.resolve import cache_root
+
+        ctx, bs = 256, self.blocks.block_size
+        rows = min(self.config.scheduler.max_num_batched_tokens, 128,
+                   self.blocks.num_blocks * bs - ctx)
+        if rows < 1 or self.has_unfinished():
+            return {}
+        mc, dev = self.config.model, self.runner.device
+
+        def run_pass(n: int) -> None:
+            # Slots no request holds yet (none is admitted): what they are left holding is
+            # overwritten before any request reads it.
+            self.runner.execute([Segment(
+                tokens=[0] * n, positions=list(range(ctx, ctx + n)),
+                slots=list(range(ctx, ctx + n)), context_len=ctx,
+                block_table=list(range((ctx + n + bs - 1) // bs)),
+                logits_rows=tuple(range(n)))])
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        where = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else machine_name())
+        cache = cache_file(cache_root() / "costs", machine=where, model=mc.model, dtype=mc.dtype,
+                           quantization=mc.quantization, kernel=mc.cpu_kernel,
+                           threads=torch.get_num_threads(), rows=rows, version=1)
+        return self.drafting.controller.costs.calibrate(run_pass, rows, cache)
 
     def abort_request(self, request_id: str) -> None:
         r = self.requests.get(request_id)
@@ -239,7 +275,9 @@ class LLMEngine:
                 "prefix_cache_queries": self.blocks.prefix_queries,
                 "prefix_cache_hits": self.blocks.prefix_hits,
                 "num_running": self.num_running, "num_waiting": self.num_waiting,
-                "speculative": {m: s.to_dict() for m, s in self.spec_totals.items()}}
+                "speculative": {m: s.to_dict() for m, s in self.spec_totals.items()},
+                "speculation_control": {m: s.to_dict() for m, s in
+                                        self.drafting.controller.stats.items()}}
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -261,8 +299,8 @@ class LLMEngine:
                 decoding = [self.requests[s.request_id] for s in self.scheduler.running
                             if not s.in_prefill]
                 self.drafting.depths(decoding)
-                plan = self.scheduler.schedule({r.request_id: self.drafting.max_nodes(r)
-                                                for r in decoding if r.depth})
+                plan = self.scheduler.schedule({r.request_id: n for r in decoding
+                                                if (n := self.drafting.max_nodes(r))})
                 for seq in plan.preempted:
                     self.drafting.release(self.requests[seq.request_id])
                 if not plan.empty:

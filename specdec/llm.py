@@ -22,6 +22,8 @@ class LLM:
                  device: str = "cpu", speculative: dict[str, Any] | None = None, **kw: Any):
         self.engine = LLMEngine.from_args(model=model, dtype=dtype, device=device,
                                           speculative=speculative, **kw)
+        if self.engine.plans_speculation:
+            self.engine.calibrate_costs()
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

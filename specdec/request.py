@@ -27,6 +27,8 @@ class Speculation:
     k: int = 0  # num_speculative_tokens: the draft depth asked for
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     adaptive: bool = False  # the engine may shrink k, down to plain decoding (spec_control)
+    # "auto": the drafters the controller chooses between, per step (each a Speculation)
+    alternatives: tuple[Speculation, ...] = field(default=(), hash=False, compare=False)
 
     @property
     def on(self) -> bool:
@@ -60,6 +62,8 @@ class Request:
     metrics: SpecMetrics | None  # None when the request does not speculate
     drafter: Drafter | None = None  # its spec's drafter instance (Drafting.drafter); None: none
     depth: int = 0  # this step's draft depth (the request's k or the controller's choice)
+    active: Speculation | None = None  # this step's drafter's speculation (auto: one of them)
+    fallback: tuple[Speculation, int] | None = None  # (drafter, depth) if the lookup finds none
     error: str | None = None  # why the request failed (`fail`); None while it has not
 
     @property

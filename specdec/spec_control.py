@@ -1,135 +1,290 @@
-"""Adaptive draft length: speculate only as far as it pays on this machine, at this load.
+"""Goodput control: each step, every speculating sequence's draft depth (zero included) and,
+for `"method": "auto"`, its drafter, chosen to maximise the batch's expected emitted tokens per
+second on this machine.
 
-Verifying k draft tokens costs the target pass over more query rows (nearly free on a GPU at
+Verifying draft tokens costs the target pass over more query rows (nearly free on a GPU at
 batch 1, several decode steps on a CPU whose small matmuls are compute-bound, and growing with
-the batch everywhere) plus the drafter's own time. A sequence whose drafts are accepted with
-probability a emits (1 - a^(k+1)) / (1 - a) tokens per verification step on average. Each step
-the controller picks the depth k that maximises expected tokens per second for the whole batch,
-from costs measured online and each request's acceptance so far; k = 0 is plain decoding.
+the batch everywhere) plus the drafters' own time. Costs come from specdec/cost_model.py
+(calibrated at start, refined from real steps).
 
-The pass without drafts is measured first; an unmeasured larger pass is assumed to cost what the
-largest measured smaller one did, so the controller tries larger trees once and retreats when
-they turn out to be expensive.
+A sequence's value of drafting to depth k is its expected emitted tokens, 1 + S_1 + .. + S_k,
+where S_j is the probability that its verification accepts at least j draft tokens, estimated
+per draft position from the sequence's own recent verifications (recency-weighted, so that
+acceptance that collapses or returns shows within a few steps), shrunk towards its drafter's
+profile over every request. S_j never grows with j, so a sequence's marginal gains fall with
+depth, and for a fixed number of extra rows the best allocation takes the largest marginal
+gains per row across the batch (an exchange argument). `best_depths` scans those allocations,
+for every cap on each costly drafter's depth (a draft model's time grows with the deepest chain
+it drafts), and keeps the highest rate: for chains and per-drafter costs that do not depend on
+how many sequences draft, that is the brute-force optimum (tests/test_spec_control.py). Nothing
+switches at a batch size: as the batch grows, each sequence's depth falls one step at a time
+where its marginal token stops paying for its row.
 
-A shared machine only ever adds time to a step, so a cost is the fastest of its recent
-measurements, not their mean: a few steps slowed by another process do not make speculation look
-expensive. And every PROBE_EVERY steps the controller runs one step at another depth (1, 2, ...
-max in turn), so that every depth's cost is measured and measured again, and a choice made in a
-bad moment, plain decoding included, is not final. A drafter's time per unit of depth is not
-kept for proposals that first had to catch up on tokens decoded without it.
+Every PROBE_EVERY steps one step runs at another depth (1, 2, ... max in turn) for every
+candidate, and `auto` candidates with each of their drafters in turn: every depth's and
+drafter's cost is measured again, and a sequence whose speculation was turned off gets fresh
+evidence, so a choice made in a bad moment, plain decoding included, is not final.
+
+`auto` requests carry several drafters. Each step a sequence takes the drafter with the higher
+expected tokens per unit of cost; when that is a lookup drafter (n-gram) it comes with the best
+model drafter as a fallback, used in the same step if the lookup finds no match. A drafter not
+chosen keeps its state: a draft model catches up on the tokens it missed at its next proposal.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from specdec.outputs import SpecMetrics
+from specdec.cost_model import CostModel
 
-PRIOR_ACCEPT = 0.6  # acceptance assumed before a request has any history
-PRIOR_WEIGHT = 2.0  # ... worth this many draft tokens of evidence
-WINDOW = 16  # recent measurements kept per cost
+PRIOR_ACCEPT = 0.6  # per-position acceptance assumed before any evidence
+PRIOR_WEIGHT = 2.0  # ... worth this many verifications of evidence
+DECAY = 0.9  # a request's evidence fades by this per verification
+DRAFTER_DECAY = 0.995  # ... a drafter's profile over every request, more slowly
 PROBE_EVERY = 32  # steps between probes of another depth
-TIE = 0.03  # rates this close to the best count as equal
+TIE = 0.03  # rates this close to the best count as equal (the deeper choice wins)
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+class Acceptance:
+    """Recency-weighted counts per draft position j (depth j + 1): verifications that drafted
+    that deep, and those that accepted that deep."""
+
+    def __init__(self, decay: float = DECAY) -> None:
+        self.decay = decay
+        self.offered: list[float] = []
+        self.accepted: list[float] = []
+
+    def observe(self, depth: int, accepted: int) -> None:
+        if depth <= 0:
+            return  # nothing was drafted: nothing learnt (an n-gram lookup without a match)
+        n = max(depth, len(self.offered))
+        self.offered += [0.0] * (n - len(self.offered))
+        self.accepted += [0.0] * (n - len(self.accepted))
+        for j in range(n):
+            self.offered[j] = self.offered[j] * self.decay + (j < depth)
+            self.accepted[j] = self.accepted[j] * self.decay + (j < accepted)
+
+    def survival(self, k: int, prior: list[float]) -> list[float]:
+        """S_1 .. S_k: P(at least j accepted | drafted j deep), shrunk towards `prior` [k],
+        never growing with j."""
+        out: list[float] = []
+        prev = 1.0
+        for j in range(k):
+            o = self.offered[j] if j < len(self.offered) else 0.0
+            a = self.accepted[j] if j < len(self.accepted) else 0.0
+            prev = min(prev, (a + PRIOR_WEIGHT * prior[j]) / (o + PRIOR_WEIGHT))
+            out.append(prev)
+        return out
+
+
+def geometric(a: float, k: int) -> list[float]:
+    return [a ** (j + 1) for j in range(k)]
+
+
+@dataclass
+class Alternative:
+    """One way a sequence can speculate this step: a drafter, how deep it may go, its tree
+    width (nodes per unit of depth) and its survival S_1 .. S_max_k."""
+
+    method: str
+    max_k: int
+    width: int
+    survival: list[float]
+    lookup: bool = False  # a lookup drafter: free, but it may find nothing to propose
 
 
 @dataclass
 class Candidate:
-    """A speculating sequence of this step, as the controller sees it."""
-
     request_id: str
-    method: str
-    max_k: int  # the request's num_speculative_tokens
-    metrics: SpecMetrics | None
-    nodes_per_depth: int  # tree width: nodes added per unit of depth
-    prior: float = PRIOR_ACCEPT  # acceptance assumed before its own evidence (see prior_for)
+    alternatives: list[Alternative]  # one, or an `auto` request's drafters
 
 
-def acceptance(m: SpecMetrics | None, prior: float = PRIOR_ACCEPT) -> float:
-    """Per-token acceptance probability: accepted tokens over draft trials (each verification
-    that stopped early ends with one rejected trial)."""
-    if m is None:
-        return prior
-    trials = m.accepted_tokens + m.rejected_steps
-    return (m.accepted_tokens + prior * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT)
+@dataclass
+class Choice:
+    alternative: int  # index into the candidate's alternatives
+    k: int
+    fallback: int | None = None  # an alternative to draft with if the chosen lookup finds none
+    fallback_k: int = 0
 
 
-def prior_for(totals: SpecMetrics | None) -> float:
-    """A new request's prior: its drafter's acceptance over the requests so far, once there is
-    enough of it (a fixed guess made every request start too shallow or too deep)."""
-    if totals is None or totals.accepted_tokens + totals.rejected_steps < 16:
-        return PRIOR_ACCEPT
-    return acceptance(totals)
+PassTime = Callable[[int], float]  # query rows -> seconds
+DraftTime = Callable[[str, int], float]  # (method, drafting sequences) -> seconds per depth
 
 
-def expected_tokens(a: float, k: int) -> float:
-    if a >= 0.999:
-        return k + 1.0
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: PassTime,
+                draft_time: DraftTime, tie: float = 0.0) -> tuple[list[int], float]:
+    """Depth per alternative (one per sequence) that maximises expected emitted tokens per
+    second of the step, and that rate. `base_rows`: the step's rows before any draft node;
+    `plain`: sequences in it that sample one token without speculating. Among allocations
+    within `tie` of the best rate, the one that emits the most wins."""
+    n = len(alts)
+    methods = sorted({a.method for a in alts})
+    costly = [m for m in methods if draft_time(m, sum(a.method == m for a in alts)) > 0]
+    deepest = {m: max(a.max_k for a in alts if a.method == m) for m in methods}
+    found: list[tuple[float, float, tuple[int, ...], int]] = []  # rate, gain, caps, prefix
+    orders: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for caps in itertools.product(*(range(deepest[m] + 1) for m in costly)):
+        cap = dict(zip(costly, caps))
+        items = [(a.survival[j] / a.width, i, j) for i, a in enumerate(alts)
+                 for j in range(min(a.max_k, cap.get(a.method, a.max_k)))]
+        items.sort(key=lambda t: -t[0])  # stable: a sequence's positions stay in order
+        orders[caps] = [(i, j) for _, i, j in items]
+        gain, rows = float(plain + n), base_rows
+        drafting = {m: 0 for m in methods}
+        depth_of = {m: 0 for m in methods}
+        cost = pass_time(rows)
+        found.append((gain / cost if cost > 0 else gain, gain, caps, 0))
+        for p, (_, i, j) in enumerate(items, 1):
+            a = alts[i]
+            gain += a.survival[j]
+            rows += a.width
+            drafting[a.method] += j == 0
+            depth_of[a.method] = max(depth_of[a.method], j + 1)
+            cost = pass_time(rows) + sum(draft_time(m, drafting[m]) * depth_of[m]
+                                         for m in methods if drafting[m])
+            found.append((gain / cost if cost > 0 else gain, gain, caps, p))
+    top = max(f[0] for f in found)
+    rate, _, caps, prefix = max((f for f in found if f[0] >= (1 - tie) * top),
+                                key=lambda f: (f[1], f[0]))
+    ks = [0] * n
+    for i, j in orders[caps][:prefix]:
+        ks[i] = j + 1
+    return ks, rate
+
+
+@dataclass
+class ControlStats:
+    """Per drafter: chosen depths, and the tokens the controller predicted against those the
+    verifications emitted (over the steps that drafted with it)."""
+
+    depths: Counter = field(default_factory=Counter)
+    predicted_tokens: float = 0.0
+    emitted_tokens: int = 0
+    steps: int = 0
+
+    def to_dict(self) -> dict:
+        return {"depth_histogram": {str(k): v for k, v in sorted(self.depths.items())},
+                "predicted_tokens": round(self.predicted_tokens, 3),
+                "emitted_tokens": self.emitted_tokens, "steps": self.steps}
 
 
 class SpeculationController:
-    def __init__(self) -> None:
-        self._pass: dict[int, deque[float]] = {}  # bucketed query rows -> recent seconds
-        self._draft: dict[str, deque[float]] = {}  # drafter method -> seconds per depth
-        self.pass_time: dict[int, float] = {}  # the fastest recent pass per bucket
-        self.draft_time: dict[str, float] = {}  # the fastest recent drafting per unit of depth
+    def __init__(self, costs: CostModel | None = None) -> None:
+        self.costs = costs or CostModel()
+        self._seqs: dict[tuple[str, str], Acceptance] = {}  # (request, method)
+        self._drafters: dict[str, Acceptance] = {}  # method -> profile over every request
+        self._pending: dict[str, tuple[str, float]] = {}  # request -> (method, predicted)
+        self.stats: dict[str, ControlStats] = {}
         self._since_probe = 0
         self._probe = 0
 
+    # -- what the controller learns -----------------------------------------------------------
     def record_pass(self, rows: int, seconds: float) -> None:
-        b = _bucket(rows)
-        window = self._pass.setdefault(b, deque(maxlen=WINDOW))
-        window.append(seconds)
-        self.pass_time[b] = min(window)
+        self.costs.record_pass(rows, seconds)
 
-    def record_draft(self, method: str, depth: int, seconds: float, catch_up: int = 1) -> None:
-        """`catch_up`: tokens the drafter had to feed before its first draft (more than the
-        bonus token after steps that did not speculate). Such a proposal's time says little of
-        what drafting costs every step, so it is not kept."""
-        if depth <= 0 or catch_up > 2:
-            return
-        window = self._draft.setdefault(method, deque(maxlen=WINDOW))
-        window.append(seconds / depth)
-        self.draft_time[method] = min(window)
+    def record_draft(self, method: str, batch: int, depth: int, seconds: float,
+                     catch_up: int = 1) -> None:
+        """`catch_up`: tokens the drafter fed before its first draft (more than the bonus token
+        after steps it sat out). Such a proposal says little of what drafting costs every
+        step, so it is not kept."""
+        if catch_up <= 2:
+            self.costs.record_draft(method, batch, depth, seconds)
 
-    def _pass_cost(self, rows: int) -> float:
-        b = _bucket(rows)
-        if b in self.pass_time:
-            return self.pass_time[b]
-        known = [k for k in self.pass_time if k < b]
-        if known:
-            return self.pass_time[max(known)]
-        return min(self.pass_time.values(), default=0.0)
+    def verified(self, request_id: str, method: str, depth: int, accepted: int,
+                 emitted: int) -> None:
+        """A verification of `request_id`'s draft from `method`: `depth` deep (the tree's
+        depth), `accepted` of them accepted, `emitted` tokens out."""
+        self._seqs.setdefault((request_id, method), Acceptance()).observe(depth, accepted)
+        self._drafters.setdefault(method, Acceptance(DRAFTER_DECAY)).observe(depth, accepted)
+        pending = self._pending.pop(request_id, None)
+        st = self.stats.setdefault(method, ControlStats())
+        st.depths[depth] += 1
+        st.steps += 1
+        st.emitted_tokens += emitted
+        if pending is not None and pending[0] == method:
+            st.predicted_tokens += pending[1]
+        else:  # a fallback drafted instead of the planned lookup: predicted from its profile
+            st.predicted_tokens += 1 + sum(self.survival(request_id, method, depth))
 
-    def choose(self, base_rows: int, plain_decodes: int, cands: list[Candidate]
-               ) -> dict[str, int]:
-        """Depth per request id. `base_rows`: the step's query rows before any draft node;
-        `plain_decodes`: sequences in it that decode without speculating."""
+    def forget(self, request_id: str) -> None:
+        for key in [k for k in self._seqs if k[0] == request_id]:
+            del self._seqs[key]
+        self._pending.pop(request_id, None)
+
+    def survival(self, request_id: str, method: str, k: int) -> list[float]:
+        """S_1 .. S_k of this request with this drafter: its own evidence over its drafter's
+        profile, over a geometric prior."""
+        prior = geometric(PRIOR_ACCEPT, k)
+        drafter = self._drafters.get(method)
+        if drafter is not None:
+            prior = drafter.survival(k, prior)
+        own = self._seqs.get((request_id, method))
+        return own.survival(k, prior) if own is not None else prior
+
+    # -- a step's choice ----------------------------------------------------------------------
+    def choose(self, base_rows: int, plain: int, cands: list[Candidate]) -> dict[str, Choice]:
+        """Per candidate: its drafter and depth. `base_rows`: the step's rows before any draft
+        node; `plain`: sequences in it that decode without speculating."""
         if not cands:
             return {}
-        if _bucket(base_rows) not in self.pass_time:
-            # Measure plain decoding at this size once: everything is compared with it.
-            return {c.request_id: 0 for c in cands}
-        accept = {c.request_id: acceptance(c.metrics, c.prior) for c in cands}
-        rates: list[float] = []
-        for k in range(max(c.max_k for c in cands) + 1):
-            rows = base_rows + sum(min(k, c.max_k) * c.nodes_per_depth for c in cands)
-            methods = {c.method for c in cands if min(k, c.max_k) > 0}
-            cost = self._pass_cost(rows) + sum(self.draft_time.get(m, 0.0) * k for m in methods)
-            gain = plain_decodes + sum(
-                expected_tokens(accept[c.request_id], min(k, c.max_k)) for c in cands)
-            rates.append(gain / cost if cost > 0 else float(gain))
-        # The deepest depth within TIE of the best: measured costs are noisy, and between
-        # near-equal choices the deeper one emits more per step for the same predicted rate.
-        best_k = max(k for k, r in enumerate(rates) if r >= (1 - TIE) * max(rates))
+        if not self.costs.measured:
+            # Measure plain decoding first: everything is compared with it.
+            return {c.request_id: Choice(0, 0) for c in cands}
+        passes, drafts = self.costs.pass_time, self.costs.draft_time
         self._since_probe += 1
-        if self._since_probe >= PROBE_EVERY:  # each probe tries the next depth, 1 .. max
+        probe = self._since_probe >= PROBE_EVERY
+        if probe:  # each probe tries the next depth, 1 .. max, and each drafter in turn
             self._since_probe = 0
-            self._probe = self._probe % max(c.max_k for c in cands) + 1
-            best_k = self._probe
-        return {c.request_id: min(best_k, c.max_k) for c in cands}
+            self._probe += 1
+            picks = [self._probe % len(c.alternatives) for c in cands]
+        else:
+            picks = [self._pick(c, base_rows + len(cands), len(cands)) for c in cands]
+        alts = [c.alternatives[p] for c, p in zip(cands, picks)]
+        if probe:
+            depth = (self._probe - 1) % max(max(a.max_k for a in alts), 1) + 1
+            ks = [min(depth, a.max_k) for a in alts]
+        else:
+            ks, _ = best_depths(alts, base_rows, plain, passes, drafts, TIE)
+        out = {c.request_id: Choice(p, k) for c, p, k in zip(cands, picks, ks)}
+        # A lookup that finds nothing falls back to the model drafter the sequence would have
+        # had, at the depth the batch would give it.
+        looked = [i for i, a in enumerate(alts) if a.lookup and len(cands[i].alternatives) > 1]
+        if looked:
+            backs = [self._fallback(cands[i], picks[i]) for i in looked]
+            model = list(alts)
+            for i, b in zip(looked, backs):
+                if b is not None:
+                    model[i] = cands[i].alternatives[b]
+            mks, _ = best_depths(model, base_rows, plain, passes, drafts, TIE)
+            for i, b in zip(looked, backs):
+                if b is not None and mks[i] > 0:
+                    ch = out[cands[i].request_id]
+                    ch.fallback, ch.fallback_k = b, mks[i]
+        for c, ch in out.items():
+            cand = next(x for x in cands if x.request_id == c)
+            a = cand.alternatives[ch.alternative]
+            self._pending[c] = (a.method, 1 + sum(a.survival[:ch.k]))
+        return out
+
+    def _pick(self, c: Candidate, rows: int, batch: int) -> int:
+        """The alternative with the most expected tokens per second of its own: its best
+        depth's extra tokens over that depth's extra rows and its drafter's share."""
+        if len(c.alternatives) == 1:
+            return 0
+        per_row = max(1e-9, self.costs.pass_time(rows + 1) - self.costs.pass_time(rows))
+        best, best_value = 0, -1.0
+        for idx, a in enumerate(c.alternatives):
+            share = self.costs.draft_time(a.method, batch) / max(1, batch)
+            value = max((sum(a.survival[:k]) / (k * (a.width * per_row + share))
+                         for k in range(1, a.max_k + 1)), default=0.0)
+            if value > best_value:
+                best, best_value = idx, value
+        return best
+
+    @staticmethod
+    def _fallback(c: Candidate, picked: int) -> int | None:
+        others = [i for i, a in enumerate(c.alternatives) if i != picked and not a.lookup]
+        return others[0] if others else None

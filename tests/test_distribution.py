@@ -104,15 +104,28 @@ CASES = {
     "ngram-tree-filters": (NGRAM_TREE, FILTERS),
     "draft-chain-filters-penalties": (DRAFT_CHAIN, {**FILTERS, **PENALTIES}),
     "draft-tree-penalties": (DRAFT_TREE, {**PENALTIES, "max_tokens": 6}),
+    # The goodput controller on: per-sequence depths, and for auto the drafter, per step.
+    "adaptive-draft-chain": ({**DRAFT_CHAIN, "adaptive": True}, {}),
+    "auto": ({"method": "auto", "num_speculative_tokens": 3}, FILTERS),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_continuations_follow_the_target(llm, models, case):
+def test_continuations_follow_the_target(llm, models, case, monkeypatch):
     spec, kw = CASES[case]
+    if spec.get("adaptive") or spec["method"] == "auto":
+        # Costs as on a GPU at small batch (more rows and drafting nearly free): the
+        # controller then drafts, so the test is not vacuous, and depths and drafters still
+        # change from step to step (probes, acceptance).
+        costs = llm.engine.drafting.controller.costs
+        monkeypatch.setattr(costs, "pass_time", lambda rows: 1.0 + 1e-4 * rows)
+        monkeypatch.setattr(costs, "draft_time", lambda method, batch: 1e-3)
     counts, drafted, accepted = sample(llm, spec, seed=1000 * len(case), **kw)
     if spec["method"] != "none":  # drafts were proposed and accepted: the test is not vacuous
         assert drafted > REQUESTS // 2 and accepted > REQUESTS // 20
+    if spec["method"] == "auto":  # ... by both drafters
+        totals = llm.engine.spec_totals
+        assert all(totals[m].draft_tokens > REQUESTS // 20 for m in ("ngram", "draft_model"))
     exact = exact_joint(models[0], PROMPT, SamplingParams(**kw))
     assert chisquare_p(counts, exact) > ALPHA
 

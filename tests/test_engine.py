@@ -56,12 +56,17 @@ SPECS = [
     {"method": "ngram", "num_speculative_tokens": 5, "branches": 3},
     {"method": "draft_model", "num_speculative_tokens": 3},
     {"method": "draft_model", "num_speculative_tokens": 3, "branches": 2},
+    # The goodput controller chooses depths (and for auto, per sequence, the drafter).
+    {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True},
+    {"method": "auto", "num_speculative_tokens": 4},
 ]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s['method']}-b{s.get('branches', 1)}")
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s['method']}-b{s.get('branches', 1)}"
+                         + ("-adaptive" if s.get("adaptive") else ""))
 def test_greedy_speculation_equals_plain_at_batch_1(tiny_llama, tiny_draft, reference, spec):
-    spec = dict(spec, draft_model=str(tiny_draft)) if spec["method"] == "draft_model" else spec
+    if spec["method"] in ("draft_model", "auto"):
+        spec = dict(spec, draft_model=str(tiny_draft))
     llm = LLM(model=str(tiny_llama), speculative=spec)
     for prompt, ref in zip(PROMPTS, reference):
         out = llm.generate([prompt], GREEDY)[0]

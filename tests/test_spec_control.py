@@ -1,53 +1,221 @@
-"""The draft-length controller, with made-up costs (no model, no timing)."""
+"""The goodput controller and its cost model, with made-up costs (no model, no timing), then on
+a tiny engine: its choices never change greedy output."""
 
 from __future__ import annotations
 
+import itertools
+import random
+
+import pytest
+
 from specdec import LLM, SamplingParams
-from specdec.outputs import SpecMetrics
-from specdec.spec_control import Candidate, SpeculationController, expected_tokens
+from specdec.cost_model import CostModel
+from specdec.spec_control import (
+    PROBE_EVERY,
+    Acceptance,
+    Alternative,
+    Candidate,
+    SpeculationController,
+    best_depths,
+    geometric,
+)
 
 
-def metrics(accepted: int, rejected: int) -> SpecMetrics:
-    m = SpecMetrics(method="ngram")
-    m.accepted_tokens, m.rejected_steps = accepted, rejected
-    return m
+def brute_force(alts, base, plain, pass_time, draft_time):
+    """The best rate over every depth combination."""
+    best = 0.0
+    for ks in itertools.product(*(range(a.max_k + 1) for a in alts)):
+        gain = plain + len(alts) + sum(sum(a.survival[:k]) for a, k in zip(alts, ks))
+        rows = base + sum(k * a.width for a, k in zip(alts, ks))
+        cost = pass_time(rows)
+        for m in {a.method for a in alts}:
+            deepest = max((k for a, k in zip(alts, ks) if a.method == m), default=0)
+            n = sum(1 for a, k in zip(alts, ks) if a.method == m and k)
+            cost += draft_time(m, n) * deepest if n else 0.0
+        best = max(best, gain / cost)
+    return best
 
 
-def test_expected_tokens():
-    assert expected_tokens(0.0, 5) == 1.0
-    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
-    assert expected_tokens(1.0, 4) == 5.0
+def rate_of(ks, alts, base, plain, pass_time, draft_time):
+    """The rate of one depth combination, as brute_force counts it."""
+    gain = plain + len(alts) + sum(sum(a.survival[:k]) for a, k in zip(alts, ks))
+    cost = pass_time(base + sum(k * a.width for a, k in zip(alts, ks)))
+    for m in {a.method for a in alts}:
+        depths = [k for a, k in zip(alts, ks) if a.method == m and k]
+        cost += draft_time(m, len(depths)) * max(depths) if depths else 0.0
+    return gain / cost
 
 
-def test_measures_plain_first_then_explores_then_keeps_what_pays():
-    c = SpeculationController()
-    cand = [Candidate("a", "ngram", 4, metrics(90, 10), 1)]
-    assert c.choose(1, 0, cand) == {"a": 0}  # nothing measured: plain first
+def survival_curve(rng: random.Random, k: int) -> list[float]:
+    s, out = 1.0, []
+    for _ in range(k):
+        s *= rng.uniform(0.0, 1.0)
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_best_depths_equal_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 4)
+    methods = ["ngram", "draft_model"]
+    alts = [Alternative(rng.choice(methods), rng.randint(0, 4), 1, []) for _ in range(n)]
+    for a in alts:
+        a.survival = survival_curve(rng, a.max_k)
+    fixed, per_row, curve = rng.uniform(0.5, 2), rng.uniform(0.0, 0.6), rng.uniform(0, 0.05)
+    draft = {"ngram": 0.0, "draft_model": rng.uniform(0.0, 0.5)}
+
+    def pass_time(rows: int) -> float:  # rising, concave or convex
+        return fixed + per_row * rows + curve * rows * rows
+
+    def draft_time(m: str, _n: int) -> float:
+        return draft[m]
+
+    base = n + rng.randint(0, 3)
+    plain = base - n
+    ks, rate = best_depths(alts, base, plain, pass_time, draft_time)
+    best = brute_force(alts, base, plain, pass_time, draft_time)
+    assert rate == pytest.approx(best, rel=1e-9)
+    assert rate_of(ks, alts, base, plain, pass_time, draft_time) == pytest.approx(best, rel=1e-9)
+    assert all(0 <= k <= a.max_k for k, a in zip(ks, alts))
+
+
+def test_free_verification_drafts_deep_and_expensive_drafts_not_at_all():
+    alts = [Alternative("ngram", 4, 1, geometric(0.8, 4))]
+    ks, _ = best_depths(alts, 1, 0, lambda rows: 1.0, lambda m, n: 0.0)
+    assert ks == [4]  # a GPU at batch 1: more rows cost nothing
+    ks, _ = best_depths(alts, 1, 0, lambda rows: float(rows), lambda m, n: 0.0)
+    assert ks == [0]  # every row costs a whole pass: never worth it below acceptance 1
+
+
+def test_depths_fall_smoothly_with_the_batch():
+    # Costs like a GPU: flat up to a knee, then linear. Deep at small batches, shallower as
+    # the batch grows, never deeper; the rate never falls as the batch grows and never below
+    # plain decoding's: no batch size where a switch costs throughput.
+    def pass_time(rows: int) -> float:
+        return max(1.0, rows / 32)
+
+    means, rates = [], []
+    for batch in range(1, 65):
+        alts = [Alternative("ngram", 6, 1, geometric(0.7, 6)) for _ in range(batch)]
+        ks, rate = best_depths(alts, batch, 0, pass_time, lambda m, n: 0.0)
+        means.append(sum(ks) / batch)
+        rates.append(rate)
+        assert rate >= batch / pass_time(batch)
+    assert means[0] == 6 and means[-1] < 2
+    assert all(b <= a + 1e-9 for a, b in zip(means, means[1:]))
+    assert all(b >= a - 1e-9 for a, b in zip(rates, rates[1:]))
+
+
+def test_per_sequence_depths_follow_acceptance():
+    alts = [Alternative("ngram", 4, 1, geometric(0.95, 4)),
+            Alternative("ngram", 4, 1, geometric(0.1, 4))]
+    ks, _ = best_depths(alts, 2, 0, lambda rows: 1.0 + 0.1 * rows, lambda m, n: 0.0)
+    assert ks[0] == 4 and ks[1] == 0
+
+
+def test_acceptance_is_recency_weighted_and_monotone():
+    acc = Acceptance()
+    for _ in range(30):
+        acc.observe(4, 4)
+    assert acc.survival(4, geometric(0.5, 4))[-1] > 0.8
+    for _ in range(30):
+        acc.observe(4, 0)  # acceptance collapses: it shows within a few verifications
+    assert acc.survival(4, geometric(0.5, 4))[0] < 0.15
+    s = acc.survival(6, geometric(0.9, 6))
+    assert all(b <= a for a, b in zip(s, s[1:]))
+    acc.observe(0, 0)  # nothing drafted: nothing learnt
+    assert acc.survival(6, geometric(0.9, 6)) == s
+
+
+def test_cost_model_interpolates_and_never_assumes_larger_is_cheaper():
+    c = CostModel()
+    assert c.pass_time(4) == 0.0
     c.record_pass(1, 1.0)
-    assert c.choose(1, 0, cand) == {"a": 4}  # a larger pass is assumed no dearer: try it
+    assert c.pass_time(8) == 1.0  # one point: a larger pass is tried once at that price
+    c.record_pass(4, 1.6)
+    assert c.pass_time(2) == pytest.approx(1.2)
+    assert c.pass_time(8) == pytest.approx(1.6 + 0.2 * 4)
+    c.record_pass(4, 9.0)  # a slow step on a busy machine: the fastest recent one stands
+    assert c.pass_time(4) == 1.6
+    c.record_draft("draft_model", 2, 4, 0.8)
+    assert c.draft_time("draft_model", 2) == pytest.approx(0.2)
+    assert c.draft_time("draft_model", 3) == pytest.approx(0.2)  # the nearest measured size
+    assert c.draft_time("ngram", 1) == 0.0
+
+
+def test_calibration_is_cached(tmp_path):
+    calls = []
+    cache = tmp_path / "pass.json"
+    curve = CostModel().calibrate(lambda n: calls.append(n), 8, cache)
+    assert set(curve) == {1, 2, 3, 4, 5, 6, 8} and calls and cache.is_file()
+    calls.clear()
+    model = CostModel()
+    assert model.calibrate(lambda n: calls.append(n), 8, cache) == curve and not calls
+    assert model.knows(6)
+
+
+def cand(rid, method="ngram", k=4, survival=None, lookup=None):
+    return Candidate(rid, [Alternative(method, k, 1, survival or geometric(0.6, k),
+                                       method == "ngram" if lookup is None else lookup)])
+
+
+def test_controller_measures_plain_first_then_explores_then_keeps_what_pays():
+    c = SpeculationController()
+    assert c.choose(1, 0, [cand("a")])["a"].k == 0  # nothing measured: plain first
+    c.record_pass(1, 1.0)
+    assert c.choose(1, 0, [cand("a")])["a"].k == 4  # a larger pass is assumed no dearer
     c.record_pass(5, 1.1)  # cheap verification (a GPU): keep speculating
-    assert c.choose(1, 0, cand) == {"a": 4}
+    assert c.choose(1, 0, [cand("a")])["a"].k == 4
 
 
-def test_backs_off_when_verification_is_expensive():
+def test_acceptance_zero_turns_speculation_off_and_recovers():
     c = SpeculationController()
-    c.record_pass(1, 1.0)
-    for rows in (2, 4, 8):
-        c.record_pass(rows, 0.5 + 0.5 * rows)  # cost grows with every row (a small CPU)
-    cand = [Candidate("a", "ngram", 4, metrics(40, 60), 1)]
-    assert c.choose(1, 0, cand) == {"a": 0}
-    # A request whose drafts are nearly always accepted still gains from drafting.
-    good = [Candidate("b", "ngram", 4, metrics(990, 1), 1)]
-    assert c.choose(1, 0, good)["b"] > 0
+    for rows in (1, 2, 3, 4, 5):
+        c.record_pass(rows, 1.0 + 0.3 * (rows - 1))  # each row costs 30% of a pass (a CPU)
+
+    def depth() -> int:
+        return c.choose(1, 0, [cand("a", survival=c.survival("a", "ngram", 4))])["a"].k
+
+    for _ in range(20):
+        c.verified("a", "ngram", 4, 4, 5)
+    assert depth() > 0
+    for _ in range(20):
+        c.verified("a", "ngram", 4, 0, 1)
+    ks = [depth() for _ in range(PROBE_EVERY * 2)]
+    assert ks.count(0) >= len(ks) - 2  # off, but for the probes
+    probes = [k for k in ks if k]
+    assert probes  # ... which keep measuring
+    for _ in range(20):
+        c.verified("a", "ngram", probes[0], probes[0], probes[0] + 1)
+    assert depth() > 0
 
 
-def test_draft_cost_counts():
+def test_auto_picks_the_better_drafter_and_falls_back_from_a_lookup():
     c = SpeculationController()
     for rows in (1, 2, 4, 8):
-        c.record_pass(rows, 1.0)
-    c.record_draft("draft_model", 4, 40.0)  # a drafter slower than the target
-    cand = [Candidate("a", "draft_model", 4, metrics(80, 20), 1)]
-    assert c.choose(1, 0, cand) == {"a": 0}
+        c.record_pass(rows, 1.0 + 0.05 * rows)
+    c.record_draft("draft_model", 1, 4, 0.4)  # 0.1 s per depth
+
+    def auto(ngram: float, model: float) -> Candidate:
+        return Candidate("a", [Alternative("ngram", 4, 1, geometric(ngram, 4), True),
+                               Alternative("draft_model", 4, 1, geometric(model, 4))])
+
+    ch = c.choose(1, 0, [auto(0.9, 0.6)])["a"]
+    assert ch.alternative == 0 and ch.k > 0  # the lookup, when it matches
+    assert ch.fallback == 1 and ch.fallback_k > 0  # the model when it does not
+    ch = c.choose(1, 0, [auto(0.2, 0.8)])["a"]
+    assert ch.alternative == 1 and ch.k > 0 and ch.fallback is None
+
+
+def test_stats_compare_predicted_and_emitted_tokens():
+    c = SpeculationController()
+    c.record_pass(1, 1.0)
+    ch = c.choose(1, 0, [cand("a", survival=[0.5, 0.25, 0.1, 0.05])])["a"]
+    c.verified("a", "ngram", ch.k, 2, 3)
+    st = c.stats["ngram"].to_dict()
+    assert st["depth_histogram"] == {str(ch.k): 1} and st["emitted_tokens"] == 3
+    assert st["predicted_tokens"] == pytest.approx(1 + sum([0.5, 0.25, 0.1, 0.05][:ch.k]))
 
 
 def test_adaptive_engine_keeps_greedy_output(tiny_llama):
@@ -58,4 +226,4 @@ def test_adaptive_engine_keeps_greedy_output(tiny_llama):
               adaptive_speculation=True)
     outs = llm.generate(prompts, p)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    assert llm.engine.drafting.controller.pass_time  # costs were measured
+    assert llm.engine.drafting.controller.costs.measured  # costs were measured
