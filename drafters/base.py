@@ -80,6 +80,8 @@ def check_speculative(spec: dict[str, Any]) -> None:
     min_n = spec.get("min_n", 1)
     if min_n > spec.get("max_n", max(min_n, 3)):  # checked when both are given
         raise ValueError("speculative.min_n must not exceed speculative.max_n")
+    if method not in ("none", "auto"):
+        drafter_class(method).check_options(spec)
 
 
 class Drafter(ABC):
@@ -118,6 +120,10 @@ class Drafter(ABC):
 
     def release(self, request_id: str) -> None:
         """The request finished or was preempted: drop any state held for it."""
+
+    @classmethod
+    def check_options(cls, spec: dict[str, Any]) -> None:
+        """Checks of this drafter's options beyond their types and bounds (ValueError)."""
 
     def max_nodes(self, k: int, options: dict[str, Any]) -> int:
         """The tree size this drafter asks the scheduler for, given the request's settings."""

@@ -14,7 +14,10 @@ Options: `corrupt_rate` r (default 0), `branches` b (default 1: a chain). With b
 gets b - 1 sibling leaves beside the chain node; when the chain node is corrupted, each sibling
 in turn carries the true token with probability 1 - r (a second guess, as tree drafters make).
 `script`: {request_id: the request's whole expected token sequence, prompt then output}
-overrides the recorded registry; `seed` (default 0).
+overrides the recorded registry; `seed` (default 0). `survival` ("S1,S2,...", instead of
+`corrupt_rate`): a measured acceptance profile, S_j = P(at least j accepted | drafted j deep),
+replayed per draft depth (depth d is corrupted with probability 1 - S_d / S_(d-1), the last
+ratio repeating past the profile); host proposals only.
 
 Proposals also come as a position table (`position_table`), for steps drafted on the device
 (specdec/chaining.py): each position's level (the chain token, then its siblings) is drawn
@@ -68,6 +71,21 @@ def rate_for_tau(tau: float, k: int) -> float:
     return (lo + hi) / 2
 
 
+def depth_rates(survival: str) -> list[float]:
+    """"S1,S2,..." -> the corrupt rate at each draft depth that replays that profile."""
+    try:
+        s = [float(x) for x in survival.split(",")]
+    except ValueError:
+        raise ValueError("speculative.survival must be comma-separated numbers") from None
+    if not s or any(not 0.0 <= x <= 1.0 for x in s) or any(b > a for a, b in zip(s, s[1:])):
+        raise ValueError("speculative.survival must be non-increasing numbers in [0, 1]")
+    prev, rates = 1.0, []
+    for x in s:
+        rates.append(1.0 - (x / prev if prev > 0 else 0.0))
+        prev = x
+    return rates
+
+
 class _Cursor:
     """Where a request stands in its script."""
 
@@ -83,7 +101,13 @@ class _Cursor:
 class ReplayDrafter(Drafter):
     name = "replay"
     options = {"branches": Option(int, 1, 8), "corrupt_rate": Option(float, 0.0, 1.0),
-               "seed": Option(int, 0, 2**63 - 1), "script": Option(dict)}
+               "seed": Option(int, 0, 2**63 - 1), "script": Option(dict),
+               "survival": Option(str)}
+
+    @classmethod
+    def check_options(cls, spec: dict[str, Any]) -> None:
+        if "survival" in spec:
+            depth_rates(spec["survival"])
 
     def __init__(self, target_vocab: dict[str, int] | None = None, target_model: Any = None,
                  **_: Any) -> None:
@@ -109,7 +133,7 @@ class ReplayDrafter(Drafter):
         self._tables.pop(request_id, None)
 
     def has_position_table(self, options: dict[str, Any]) -> bool:
-        return True
+        return "survival" not in options  # a profile is per depth, a table per position
 
     def position_table(self, r: DraftRequest, length: int, device: torch.device) -> torch.Tensor:
         """[length, branches]: the chain token then its siblings at each position, drawn as
@@ -175,6 +199,8 @@ class ReplayDrafter(Drafter):
             if not cur.off:
                 truth = cur.future[done:done + r.k]
         rate = float(r.options.get("corrupt_rate", 0.0))
+        profile = r.options.get("survival")
+        rates = depth_rates(profile) if profile else [rate]
         branches = max(1, int(r.options.get("branches", 1)))
         rand, other = rng.random, self._other
         if branches == 1:  # a chain: the loop below, one node a level (the same draws)
@@ -182,7 +208,8 @@ class ReplayDrafter(Drafter):
             tokens = []
             for d in range(min(r.k, r.max_nodes)):
                 t = truth[d] if d < nt else None
-                tokens.append(other(t, rng, ()) if t is None or rand() < rate else t)
+                bad = t is None or rand() < rates[min(d, len(rates) - 1)]
+                tokens.append(other(t, rng, ()) if bad else t)
             return tokens, list(range(-1, len(tokens) - 1))
         tokens: list[int] = []
         parents: list[int] = []
@@ -193,6 +220,7 @@ class ReplayDrafter(Drafter):
             # Past the script (or off it) every guess is a random token: the tree keeps its
             # shape, so a step costs the same whether or not the script still applies.
             t = truth[d] if d < len(truth) else None
+            rate = rates[min(d, len(rates) - 1)]
             bad = t is None or rand() < rate
             level = [other(t, rng, ()) if bad else t]
             placed = not bad

@@ -1,5 +1,5 @@
-"""What a step costs on this machine: the target pass by query rows, and each drafter's time per
-unit of draft depth by batch size. The speculation controller (specdec/spec_control.py) plans
+"""What a step costs on this machine: the target pass by query rows, and each drafter's proposal
+by batch size and draft depth. The speculation controller (specdec/spec_control.py) plans
 with it.
 
 The pass curve is measured at start (`calibrate`: one eager pass per size of a grid of row
@@ -30,75 +30,97 @@ CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128
 CALIBRATION_PASSES = 3  # per row count, the fastest kept
 
 
-class CostModel:
-    def __init__(self) -> None:
-        self._pass: dict[int, deque[float]] = {}  # query rows -> recent seconds
-        self._rows: list[int] = []  # sorted row counts with a measurement
-        self._best: dict[int, float] = {}  # rows -> fastest recent seconds
-        self._draft: dict[tuple[str, int], deque[float]] = {}  # (method, batch) -> s / depth
-        self.draft_best: dict[tuple[str, int], float] = {}
+class Curve:
+    """Seconds by a size (query rows, or draft depth): the fastest (or the median, `typical`)
+    of the recent WINDOW measurements per size, linear between measured sizes; below the
+    smallest, proportional to it; past the largest, growing with the slope of the two largest
+    (one point: proportional when `proportional`, else flat)."""
 
-    # -- the target pass --------------------------------------------------------------------
-    def record_pass(self, rows: int, seconds: float) -> None:
-        window = self._pass.get(rows)
+    def __init__(self, proportional: bool = False, typical: bool = False) -> None:
+        self.proportional = proportional
+        self.typical = typical  # the median of the window, not its fastest
+        self._window: dict[int, deque[float]] = {}
+        self._sizes: list[int] = []  # sorted sizes with a measurement
+        self.best: dict[int, float] = {}
+
+    def record(self, size: int, seconds: float) -> None:
+        window = self._window.get(size)
         if window is None:
-            window = self._pass[rows] = deque(maxlen=WINDOW)
-            bisect.insort(self._rows, rows)
+            window = self._window[size] = deque(maxlen=WINDOW)
+            bisect.insort(self._sizes, size)
         window.append(seconds)
-        self._best[rows] = min(window)
+        self.best[size] = sorted(window)[len(window) // 2] if self.typical else min(window)
 
-    def knows(self, rows: int) -> bool:
-        return rows in self._best
+    def __bool__(self) -> bool:
+        return bool(self._sizes)
 
-    @property
-    def measured(self) -> dict[int, float]:
-        return {r: self._best[r] for r in self._rows}
-
-    def pass_time(self, rows: int) -> float:
-        """Seconds of a target pass over `rows` query rows; 0.0 while nothing is measured."""
-        xs = self._rows
+    def __call__(self, size: int) -> float:
+        xs, best = self._sizes, self.best
         if not xs:
             return 0.0
-        if rows in self._best:
-            return self._best[rows]
-        i = bisect.bisect(xs, rows)
-        if i == 0:  # below the smallest measured count: no cheaper than nothing
-            return self._best[xs[0]] * rows / xs[0]
+        if size in best:
+            return best[size]
+        i = bisect.bisect(xs, size)
+        if i == 0:
+            return best[xs[0]] * size / xs[0]
         lo = xs[i - 1]
         if i < len(xs):
             hi = xs[i]
-            f = (rows - lo) / (hi - lo)
-            return self._best[lo] + f * (self._best[hi] - self._best[lo])
-        if len(xs) == 1:  # one point: a larger pass is assumed to cost what it did (tried once)
-            return self._best[lo]
+            return best[lo] + (size - lo) / (hi - lo) * (best[hi] - best[lo])
+        if len(xs) == 1:
+            return best[lo] * size / lo if self.proportional else best[lo]
         prev = xs[-2]
-        slope = max(0.0, (self._best[lo] - self._best[prev]) / (lo - prev))
-        return self._best[lo] + slope * (rows - lo)
+        slope = max(0.0, (best[lo] - best[prev]) / (lo - prev))
+        return best[lo] + slope * (size - lo)
+
+
+class CostModel:
+    def __init__(self) -> None:
+        # A larger pass than any measured is assumed to cost what the largest did: tried
+        # once, then measured.
+        self.passes = Curve()
+        # (method, drafting sequences) -> seconds by draft depth: a draft model's proposal is
+        # one pass over its catch-up tokens, then one pass per further depth.
+        self.drafts: dict[tuple[str, int], Curve] = {}
+
+    # -- the target pass --------------------------------------------------------------------
+    def record_pass(self, rows: int, seconds: float) -> None:
+        self.passes.record(rows, seconds)
+
+    def knows(self, rows: int) -> bool:
+        return rows in self.passes.best
+
+    @property
+    def measured(self) -> dict[int, float]:
+        return dict(sorted(self.passes.best.items()))
+
+    def pass_time(self, rows: int) -> float:
+        """Seconds of a target pass over `rows` query rows; 0.0 while nothing is measured."""
+        return self.passes(rows)
 
     # -- drafters ---------------------------------------------------------------------------
     def record_draft(self, method: str, batch: int, depth: int, seconds: float) -> None:
         """A proposal for `batch` sequences, `depth` deep at most, took `seconds`."""
-        if depth <= 0 or batch <= 0:
-            return
-        key = (method, batch)
-        window = self._draft.setdefault(key, deque(maxlen=WINDOW))
-        window.append(seconds / depth)
-        self.draft_best[key] = min(window)
+        if depth > 0 and batch > 0:
+            # The median: how much a proposal feeds varies (a sequence that ends soon drafts
+            # less), so the fastest one is an outlier that did less work.
+            self.drafts.setdefault((method, batch), Curve(proportional=True, typical=True)
+                                   ).record(depth, seconds)
 
-    def draft_time(self, method: str, batch: int) -> float:
-        """Seconds per unit of depth of `method` drafting for `batch` sequences: measured at
-        this batch size, else what the nearest measured size cost (0.0 when never measured):
-        an estimate that errs low is tried, measured and corrected; one that errs high would
+    def draft_time(self, method: str, batch: int, depth: int) -> float:
+        """Seconds of `method` proposing `depth` deep for `batch` sequences: measured at this
+        batch size, else what the nearest measured size cost (0.0 when never measured): an
+        estimate that errs low is tried, measured and corrected; one that errs high would
         never be tried."""
-        if batch <= 0:
+        if batch <= 0 or depth <= 0:
             return 0.0
-        best = self.draft_best.get((method, batch))
-        if best is not None:
-            return best
-        known = [b for (m, b) in self.draft_best if m == method]
-        if not known:
-            return 0.0
-        return self.draft_best[(method, min(known, key=lambda b: (abs(b - batch), b)))]
+        curve = self.drafts.get((method, batch))
+        if curve is None:
+            known = [b for (m, b) in self.drafts if m == method]
+            if not known:
+                return 0.0
+            curve = self.drafts[(method, min(known, key=lambda b: (abs(b - batch), b)))]
+        return curve(depth)
 
     # -- calibration ------------------------------------------------------------------------
     def calibrate(self, run_pass: Callable[[int], None], max_rows: int,

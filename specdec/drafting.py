@@ -46,6 +46,8 @@ class Drafting:
         self.drafters: dict[tuple[str, str | None], Drafter] = {}
         self.controller = SpeculationController(CostModel())
         self.totals: dict[str, SpecMetrics] = {}  # per method, over every request
+        # (request, drafter key) -> the request's length at that drafter's last proposal
+        self._proposed: dict[tuple[str, tuple[str, str | None]], int] = {}
 
     # -- admission --------------------------------------------------------------------------
     def resolve(self, override: dict[str, Any] | None) -> Speculation:
@@ -129,7 +131,9 @@ class Drafting:
                 cands.append(Candidate(r.request_id, [Alternative(
                     s.method, s.k, self.drafter(s).max_nodes(1, s.options),
                     self.controller.survival(r.request_id, s.method, s.k),
-                    self.drafter(s).proposes_by_lookup) for s in self._choices(r)]))
+                    self.drafter(s).proposes_by_lookup,
+                    self._behind(r, s) > 2 and not self.drafter(s).proposes_by_lookup)
+                    for s in self._choices(r)]))
             else:
                 fixed.append(r)
                 r.depth = r.spec.k
@@ -143,6 +147,10 @@ class Drafting:
             r.drafter = self.drafter(r.active)
             if ch.fallback is not None and ch.k > 0:
                 r.fallback = (choices[ch.fallback], ch.fallback_k)
+
+    def _behind(self, r: Request, spec: Speculation) -> int:
+        """Tokens `spec`'s drafter has not seen of `r` (since its last proposal for it)."""
+        return r.seq.num_tokens - self._proposed.get((r.request_id, spec.drafter_key), 0)
 
     @staticmethod
     def _choices(r: Request) -> tuple[Speculation, ...]:
@@ -200,6 +208,8 @@ class Drafting:
                 continue
             self.controller.record_draft(method, len(batch), max(b.k for b in batch),
                                          time.perf_counter() - t0, drafter.last_catch_up)
+            for r in group:
+                self._proposed[(r.request_id, r.active.drafter_key)] = r.seq.num_tokens
             self._fill(drafts, idxs, tree, [plan.decodes[i].max_draft_nodes for i in idxs])
 
     def _propose_alone(self, drafts: list[Draft], i: int, r: Request, b: DraftRequest,
@@ -291,6 +301,7 @@ class Drafting:
             return
         self.controller.forget(r.request_id)
         for spec in self._choices(r):
+            self._proposed.pop((r.request_id, spec.drafter_key), None)
             drafter = self.drafters.get(spec.drafter_key)
             if drafter is None:
                 continue

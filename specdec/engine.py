@@ -373,8 +373,9 @@ class LLMEngine:
             self.runner.vocab_size, self.token_pieces)
         rows = [Row(r, r.seq.num_computed, pars, i >= len(completing), q)
                 for i, (r, (_, pars), q) in enumerate(zip(reqs, trees, qrows))]
-        return Launched(rows, verdict, plan.num_tokens, launched_at, logits, root_rows,
-                        out.features, capture)
+        # The rows the pass ran: drafts may come smaller than the room the plan reserved.
+        return Launched(rows, verdict, sum(len(s.tokens) for s in segs), launched_at, logits,
+                        root_rows, out.features, capture)
 
     def _output(self, r: Request, new: list[int], logprobs, finished: bool) -> RequestOutput:
         if finished:

@@ -4,7 +4,8 @@ second on this machine.
 
 Verifying draft tokens costs the target pass over more query rows (nearly free on a GPU at
 batch 1, several decode steps on a CPU whose small matmuls are compute-bound, and growing with
-the batch everywhere) plus the drafters' own time. Costs come from specdec/cost_model.py
+the batch everywhere) plus the drafters' own time (a draft model's proposal: one pass over its
+catch-up tokens, then one per further depth). Costs come from specdec/cost_model.py
 (calibrated at start, refined from real steps).
 
 A sequence's value of drafting to depth k is its expected emitted tokens, 1 + S_1 + .. + S_k,
@@ -20,10 +21,13 @@ how many sequences draft, that is the brute-force optimum (tests/test_spec_contr
 switches at a batch size: as the batch grows, each sequence's depth falls one step at a time
 where its marginal token stops paying for its row.
 
-Every PROBE_EVERY steps one step runs at another depth (1, 2, ... max in turn) for every
-candidate, and `auto` candidates with each of their drafters in turn: every depth's and
-drafter's cost is measured again, and a sequence whose speculation was turned off gets fresh
-evidence, so a choice made in a bad moment, plain decoding included, is not final.
+Measured costs are noisy on a shared machine, so speculation is chosen only where it beats
+plain decoding's predicted rate by MARGIN. Every PROBE_EVERY steps one sequence, in turn,
+drafts one deeper than chosen (an `auto` one, every other time, with its other drafter): the
+costs and acceptance next to each choice are measured again at the price of one row, and a
+sequence whose speculation was turned off gets fresh evidence, so no choice is final. A probe
+never starts a model drafter that is behind on a sequence (it would first feed everything it
+missed, a prefill of the whole context for a sequence it never drafted for).
 
 `auto` requests carry several drafters. Each step a sequence takes the drafter with the higher
 expected tokens per unit of cost; when that is a lookup drafter (n-gram) it comes with the best
@@ -44,8 +48,9 @@ PRIOR_ACCEPT = 0.6  # per-position acceptance assumed before any evidence
 PRIOR_WEIGHT = 2.0  # ... worth this many verifications of evidence
 DECAY = 0.9  # a request's evidence fades by this per verification
 DRAFTER_DECAY = 0.995  # ... a drafter's profile over every request, more slowly
-PROBE_EVERY = 32  # steps between probes of another depth
-TIE = 0.03  # rates this close to the best count as equal (the deeper choice wins)
+PROBE_EVERY = 32  # steps between probes (one sequence one step deeper, or its other drafter)
+TIE = 0.02  # speculative rates this close to the best count as equal (more tokens wins)
+MARGIN = 0.05  # speculation must beat plain decoding's predicted rate by this much
 
 
 class Acceptance:
@@ -69,14 +74,20 @@ class Acceptance:
 
     def survival(self, k: int, prior: list[float]) -> list[float]:
         """S_1 .. S_k: P(at least j accepted | drafted j deep), shrunk towards `prior` [k],
-        never growing with j."""
+        never growing with j. Where a position has little evidence of its own, its prior is
+        the position before it times the conditional acceptance measured last (a sequence
+        drafted only 1 deep so far is not judged by a prior's guess of depth 2)."""
         out: list[float] = []
-        prev = 1.0
+        prev, ratio = 1.0, None
         for j in range(k):
             o = self.offered[j] if j < len(self.offered) else 0.0
             a = self.accepted[j] if j < len(self.accepted) else 0.0
-            prev = min(prev, (a + PRIOR_WEIGHT * prior[j]) / (o + PRIOR_WEIGHT))
-            out.append(prev)
+            p = prior[j] if ratio is None or o >= 1.0 else prev * ratio
+            s = min(prev, (a + PRIOR_WEIGHT * p) / (o + PRIOR_WEIGHT))
+            if o >= 1.0:
+                ratio = s / prev if prev > 0 else 0.0
+            prev = s
+            out.append(s)
         return out
 
 
@@ -94,6 +105,9 @@ class Alternative:
     width: int
     survival: list[float]
     lookup: bool = False  # a lookup drafter: free, but it may find nothing to propose
+    # A model drafter behind on this sequence's tokens (it has not drafted for it lately): its
+    # next proposal first feeds all it missed, so a probe does not start it.
+    stale: bool = False
 
 
 @dataclass
@@ -111,18 +125,21 @@ class Choice:
 
 
 PassTime = Callable[[int], float]  # query rows -> seconds
-DraftTime = Callable[[str, int], float]  # (method, drafting sequences) -> seconds per depth
+DraftTime = Callable[[str, int, int], float]  # (method, drafting sequences, depth) -> seconds
 
 
 def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: PassTime,
-                draft_time: DraftTime, tie: float = 0.0) -> tuple[list[int], float]:
+                draft_time: DraftTime, tie: float = 0.0, margin: float = 0.0
+                ) -> tuple[list[int], float]:
     """Depth per alternative (one per sequence) that maximises expected emitted tokens per
     second of the step, and that rate. `base_rows`: the step's rows before any draft node;
     `plain`: sequences in it that sample one token without speculating. Among allocations
-    within `tie` of the best rate, the one that emits the most wins."""
+    within `tie` of the best rate, the one that emits the most wins; and speculation at all
+    only where its rate beats plain decoding's by `margin` (measured costs are noisy, and a
+    choice that gains 2% on paper can lose 5% in fact)."""
     n = len(alts)
     methods = sorted({a.method for a in alts})
-    costly = [m for m in methods if draft_time(m, sum(a.method == m for a in alts)) > 0]
+    costly = [m for m in methods if draft_time(m, sum(a.method == m for a in alts), 1) > 0]
     deepest = {m: max(a.max_k for a in alts if a.method == m) for m in methods}
     found: list[tuple[float, float, tuple[int, ...], int]] = []  # rate, gain, caps, prefix
     orders: dict[tuple[int, ...], list[tuple[int, int]]] = {}
@@ -143,10 +160,12 @@ def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: 
             rows += a.width
             drafting[a.method] += j == 0
             depth_of[a.method] = max(depth_of[a.method], j + 1)
-            cost = pass_time(rows) + sum(draft_time(m, drafting[m]) * depth_of[m]
+            cost = pass_time(rows) + sum(draft_time(m, drafting[m], depth_of[m])
                                          for m in methods if drafting[m])
             found.append((gain / cost if cost > 0 else gain, gain, caps, p))
     top = max(f[0] for f in found)
+    if top <= (1 + margin) * found[0][0]:  # found[0]: no draft at all
+        return [0] * n, found[0][0]
     rate, _, caps, prefix = max((f for f in found if f[0] >= (1 - tie) * top),
                                 key=lambda f: (f[1], f[0]))
     ks = [0] * n
@@ -234,20 +253,26 @@ class SpeculationController:
             # Measure plain decoding first: everything is compared with it.
             return {c.request_id: Choice(0, 0) for c in cands}
         passes, drafts = self.costs.pass_time, self.costs.draft_time
+        picks = [self._pick(c, base_rows + len(cands), len(cands)) for c in cands]
+        alts = [c.alternatives[p] for c, p in zip(cands, picks)]
+        ks, _ = best_depths(alts, base_rows, plain, passes, drafts, TIE, MARGIN)
         self._since_probe += 1
-        probe = self._since_probe >= PROBE_EVERY
-        if probe:  # each probe tries the next depth, 1 .. max, and each drafter in turn
+        if self._since_probe >= PROBE_EVERY:
+            # One sequence, in turn, drafts one deeper than chosen (or, every other time for
+            # an `auto` one, with its other drafter): the costs and acceptance next to the
+            # choice are measured again, cheaply, so no choice is final.
             self._since_probe = 0
             self._probe += 1
-            picks = [self._probe % len(c.alternatives) for c in cands]
-        else:
-            picks = [self._pick(c, base_rows + len(cands), len(cands)) for c in cands]
-        alts = [c.alternatives[p] for c, p in zip(cands, picks)]
-        if probe:
-            depth = (self._probe - 1) % max(max(a.max_k for a in alts), 1) + 1
-            ks = [min(depth, a.max_k) for a in alts]
-        else:
-            ks, _ = best_depths(alts, base_rows, plain, passes, drafts, TIE)
+            i = self._probe % len(cands)
+            c = cands[i]
+            if len(c.alternatives) > 1 and (self._probe // len(cands)) % 2:
+                other = (picks[i] + 1) % len(c.alternatives)
+                if not c.alternatives[other].stale:
+                    picks[i] = other
+                    ks[i] = min(max(1, ks[i]), c.alternatives[other].max_k)
+            elif ks[i] > 0 or not alts[i].stale:
+                ks[i] = min(ks[i] + 1, alts[i].max_k)
+            alts[i] = c.alternatives[picks[i]]
         out = {c.request_id: Choice(p, k) for c, p, k in zip(cands, picks, ks)}
         # A lookup that finds nothing falls back to the model drafter the sequence would have
         # had, at the depth the batch would give it.
@@ -258,7 +283,7 @@ class SpeculationController:
             for i, b in zip(looked, backs):
                 if b is not None:
                     model[i] = cands[i].alternatives[b]
-            mks, _ = best_depths(model, base_rows, plain, passes, drafts, TIE)
+            mks, _ = best_depths(model, base_rows, plain, passes, drafts, TIE, MARGIN)
             for i, b in zip(looked, backs):
                 if b is not None and mks[i] > 0:
                     ch = out[cands[i].request_id]
@@ -277,9 +302,9 @@ class SpeculationController:
         per_row = max(1e-9, self.costs.pass_time(rows + 1) - self.costs.pass_time(rows))
         best, best_value = 0, -1.0
         for idx, a in enumerate(c.alternatives):
-            share = self.costs.draft_time(a.method, batch) / max(1, batch)
-            value = max((sum(a.survival[:k]) / (k * (a.width * per_row + share))
-                         for k in range(1, a.max_k + 1)), default=0.0)
+            value = max((sum(a.survival[:k]) / (k * a.width * per_row + self.costs.draft_time(
+                a.method, batch, k) / max(1, batch)) for k in range(1, a.max_k + 1)),
+                default=0.0)
             if value > best_value:
                 best, best_value = idx, value
         return best

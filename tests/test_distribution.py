@@ -119,7 +119,7 @@ def test_continuations_follow_the_target(llm, models, case, monkeypatch):
         # change from step to step (probes, acceptance).
         costs = llm.engine.drafting.controller.costs
         monkeypatch.setattr(costs, "pass_time", lambda rows: 1.0 + 1e-4 * rows)
-        monkeypatch.setattr(costs, "draft_time", lambda method, batch: 1e-3)
+        monkeypatch.setattr(costs, "draft_time", lambda method, batch, depth: 1e-3 * depth)
     counts, drafted, accepted = sample(llm, spec, seed=1000 * len(case), **kw)
     if spec["method"] != "none":  # drafts were proposed and accepted: the test is not vacuous
         assert drafted > REQUESTS // 2 and accepted > REQUESTS // 20

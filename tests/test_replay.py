@@ -168,3 +168,23 @@ def test_speculated_output_is_prefix_cached(tiny_llama, engine, plain):
     done = run("cache-follow", follow, SamplingParams(temperature=0.0, max_tokens=1))
     bs = engine.blocks.block_size
     assert done.num_cached_tokens == (len(follow) - 1) // bs * bs > 0
+
+
+def test_survival_profile_sets_acceptance_per_depth(engine, plain):
+    # A profile instead of one corrupt rate: all accepted, then nothing past depth 1.
+    full, _ = _generate(engine, {"method": "replay", "num_speculative_tokens": 3,
+                                 "survival": "1,1,1"}, "s-full")
+    cut, specs = _generate(engine, {"method": "replay", "num_speculative_tokens": 3,
+                                    "survival": "1,0"}, "s-cut")
+    assert full == plain and cut == plain
+    assert all(s.accepted_per_position[1:] == [0] * (len(s.accepted_per_position) - 1)
+               for s in specs)
+    assert all(s.accepted_per_position[0] > 0 for s in specs)
+
+
+@pytest.mark.parametrize("bad", ["x", "0.5,0.7", "1.2"])
+def test_survival_profile_is_checked_at_admission(bad):
+    from drafters import check_speculative
+
+    with pytest.raises(ValueError, match="speculative.survival"):
+        check_speculative({"method": "replay", "survival": bad})

@@ -31,7 +31,7 @@ def brute_force(alts, base, plain, pass_time, draft_time):
         for m in {a.method for a in alts}:
             deepest = max((k for a, k in zip(alts, ks) if a.method == m), default=0)
             n = sum(1 for a, k in zip(alts, ks) if a.method == m and k)
-            cost += draft_time(m, n) * deepest if n else 0.0
+            cost += draft_time(m, n, deepest) if n else 0.0
         best = max(best, gain / cost)
     return best
 
@@ -42,7 +42,7 @@ def rate_of(ks, alts, base, plain, pass_time, draft_time):
     cost = pass_time(base + sum(k * a.width for a, k in zip(alts, ks)))
     for m in {a.method for a in alts}:
         depths = [k for a, k in zip(alts, ks) if a.method == m and k]
-        cost += draft_time(m, len(depths)) * max(depths) if depths else 0.0
+        cost += draft_time(m, len(depths), max(depths)) if depths else 0.0
     return gain / cost
 
 
@@ -63,13 +63,13 @@ def test_best_depths_equal_brute_force(seed):
     for a in alts:
         a.survival = survival_curve(rng, a.max_k)
     fixed, per_row, curve = rng.uniform(0.5, 2), rng.uniform(0.0, 0.6), rng.uniform(0, 0.05)
-    draft = {"ngram": 0.0, "draft_model": rng.uniform(0.0, 0.5)}
+    first, more = rng.uniform(0.0, 0.5), rng.uniform(0.0, 0.3)
 
     def pass_time(rows: int) -> float:  # rising, concave or convex
         return fixed + per_row * rows + curve * rows * rows
 
-    def draft_time(m: str, _n: int) -> float:
-        return draft[m]
+    def draft_time(m: str, _n: int, depth: int) -> float:  # a catch-up pass, then one a depth
+        return 0.0 if m == "ngram" else first + more * (depth - 1)
 
     base = n + rng.randint(0, 3)
     plain = base - n
@@ -82,9 +82,9 @@ def test_best_depths_equal_brute_force(seed):
 
 def test_free_verification_drafts_deep_and_expensive_drafts_not_at_all():
     alts = [Alternative("ngram", 4, 1, geometric(0.8, 4))]
-    ks, _ = best_depths(alts, 1, 0, lambda rows: 1.0, lambda m, n: 0.0)
+    ks, _ = best_depths(alts, 1, 0, lambda rows: 1.0, lambda m, n, d: 0.0)
     assert ks == [4]  # a GPU at batch 1: more rows cost nothing
-    ks, _ = best_depths(alts, 1, 0, lambda rows: float(rows), lambda m, n: 0.0)
+    ks, _ = best_depths(alts, 1, 0, lambda rows: float(rows), lambda m, n, d: 0.0)
     assert ks == [0]  # every row costs a whole pass: never worth it below acceptance 1
 
 
@@ -98,7 +98,7 @@ def test_depths_fall_smoothly_with_the_batch():
     means, rates = [], []
     for batch in range(1, 65):
         alts = [Alternative("ngram", 6, 1, geometric(0.7, 6)) for _ in range(batch)]
-        ks, rate = best_depths(alts, batch, 0, pass_time, lambda m, n: 0.0)
+        ks, rate = best_depths(alts, batch, 0, pass_time, lambda m, n, d: 0.0)
         means.append(sum(ks) / batch)
         rates.append(rate)
         assert rate >= batch / pass_time(batch)
@@ -110,7 +110,7 @@ def test_depths_fall_smoothly_with_the_batch():
 def test_per_sequence_depths_follow_acceptance():
     alts = [Alternative("ngram", 4, 1, geometric(0.95, 4)),
             Alternative("ngram", 4, 1, geometric(0.1, 4))]
-    ks, _ = best_depths(alts, 2, 0, lambda rows: 1.0 + 0.1 * rows, lambda m, n: 0.0)
+    ks, _ = best_depths(alts, 2, 0, lambda rows: 1.0 + 0.1 * rows, lambda m, n, d: 0.0)
     assert ks[0] == 4 and ks[1] == 0
 
 
@@ -139,9 +139,11 @@ def test_cost_model_interpolates_and_never_assumes_larger_is_cheaper():
     c.record_pass(4, 9.0)  # a slow step on a busy machine: the fastest recent one stands
     assert c.pass_time(4) == 1.6
     c.record_draft("draft_model", 2, 4, 0.8)
-    assert c.draft_time("draft_model", 2) == pytest.approx(0.2)
-    assert c.draft_time("draft_model", 3) == pytest.approx(0.2)  # the nearest measured size
-    assert c.draft_time("ngram", 1) == 0.0
+    assert c.draft_time("draft_model", 2, 2) == pytest.approx(0.4)  # one depth: proportional
+    c.record_draft("draft_model", 2, 1, 0.3)
+    assert c.draft_time("draft_model", 2, 2) == pytest.approx(0.3 + 0.5 / 3)
+    assert c.draft_time("draft_model", 3, 4) == pytest.approx(0.8)  # the nearest batch size
+    assert c.draft_time("ngram", 1, 4) == 0.0
 
 
 def test_calibration_is_cached(tmp_path):

@@ -1,0 +1,139 @@
+"""The goodput controller's sweep on one GPU: batch 1-128, fixed k = 2, 4, 8 against the
+controller and speculation off, with acceptance replayed from the per-position profiles that
+bench/goodput_cpu.py measured on the CPU (n-gram and the draft model, HumanEval and ShareGPT).
+
+The target has the Llama-3.1-8B shape with random weights (bench/gpu_setup.py), made
+greedy-stable so that a recorded plain output stays the target's output; the replay drafter
+proposes that output, corrupted per draft depth so that its survival follows the profile
+(drafters/replay.py `survival`). The drafter itself costs nothing here: the sweep measures what
+verification costs at each batch size and whether the controller's depths follow it. Decode
+throughput is tokens after every request's first token over that time; every speculative run's
+output must equal the plain run's.
+
+    PYTHONPATH=. python3 bench/gpu_goodput.py --profiles bench/results/goodput_cpu_DATE.json \\
+        --out DIR [--batches 1,4,16,32,64,128] [--budget-s 540]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from gpu_setup import NOTE, SHAPES, bench_runtime, log, make_model_dir
+from gpu_speculative import make_greedy_stable, run_requests
+
+PROMPT_TOKENS = 256
+
+
+def build(path: Path, max_batch: int, max_tokens: int):
+    from specdec.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
+    from specdec.engine import LLMEngine
+
+    mc = ModelConfig(model=str(path), path=str(path), dtype="bfloat16", device="cuda",
+                     load_format="dummy", max_model_len=4096)
+    blocks = max_batch * ((PROMPT_TOKENS + max_tokens + 16) // 16 + 2) + 64
+    cfg = EngineConfig(model=mc, cache=CacheConfig(num_blocks=blocks, enable_prefix_caching=False),
+                       scheduler=SchedulerConfig(max_num_seqs=max_batch,
+                                                 max_num_batched_tokens=16384),
+                       speculative=SpeculativeConfig(), runtime=bench_runtime())
+    return LLMEngine(cfg, attention_backend="auto")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profiles", required=True, help="bench/goodput_cpu.py's JSON")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="llama-3.1-8b-shape", choices=list(SHAPES))
+    ap.add_argument("--batches", default="1,4,16,32,64,128")
+    ap.add_argument("--k", default="2,4,8")
+    ap.add_argument("--k-max", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--budget-s", type=float, default=540.0)
+    a = ap.parse_args()
+    t_start = time.monotonic()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profiles = json.loads(Path(a.profiles).read_text())["profiles"]
+    batches = [int(b) for b in a.batches.split(",")]
+    engine = build(make_model_dir(Path(tempfile.mkdtemp()), a.shape), max(batches), a.max_tokens)
+    make_greedy_stable(engine.runner.model)
+    t = time.monotonic()
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.capture_all(max(batches), 16)
+    curve = engine.calibrate_costs()
+    import triton
+
+    res = {"note": NOTE, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "triton": triton.__version__, "shape": a.shape, "args": vars(a),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "setup_s": round(time.monotonic() - t, 1),
+           "pass_curve_ms": {r: round(s * 1e3, 3) for r, s in curve.items()},
+           "profiles": profiles, "rows": [], "mismatches": [], "complete": False}
+
+    def save() -> None:
+        (out / "gpu_goodput.json").write_text(json.dumps(res, indent=1))
+
+    from drafters import replay
+
+    g = torch.Generator().manual_seed(1)
+    vocab = engine.runner.vocab_size
+    for batch in batches:
+        prompts = [torch.randint(100, vocab, (PROMPT_TOKENS,), generator=g).tolist()
+                   for _ in range(batch)]
+        run_requests(engine, prompts, {"method": "none"}, 8, f"warm{batch}")
+        plain = run_requests(engine, prompts, {"method": "none"}, a.max_tokens, f"off{batch}")
+        replay.clear_recorded()
+        for p, o in zip(prompts, plain.outputs):
+            replay.record(p, o)
+        for ds, per in profiles.items():
+            for drafter, prof in per.items():
+                if time.monotonic() - t_start > a.budget_s:
+                    log("budget spent: stopping")
+                    save()
+                    return
+                surv = ",".join(f"{max(x, 1e-4):.4f}" for x in prof["survival"])
+                row = {"batch": batch, "dataset": ds, "drafter": drafter, "survival": surv,
+                       "tok_s": {"off": round(plain.rate, 1)}, "tau": {}}
+                cells = {f"k={k}": {"num_speculative_tokens": int(k), "adaptive": False}
+                         for k in a.k.split(",")}
+                cells["controller"] = {"num_speculative_tokens": a.k_max, "adaptive": True}
+                for name, extra in cells.items():
+                    spec = {"method": "replay", "survival": surv, **extra}
+                    run = run_requests(engine, prompts, spec, a.max_tokens,
+                                       f"{ds}{drafter}{batch}{name}")
+                    if run.outputs != plain.outputs:
+                        res["mismatches"].append(f"b={batch} {ds} {drafter} {name}")
+                    row["tok_s"][name] = round(run.rate, 1)
+                    row["tau"][name] = round(run.tau, 3)
+                off = plain.rate
+                row["vs_off"] = {n: round(v / off, 3) for n, v in row["tok_s"].items()}
+                best = max((n for n in row["tok_s"] if n.startswith("k=")),
+                           key=lambda n: row["tok_s"][n])
+                row["best_fixed"] = best
+                row["controller_vs_best_fixed"] = round(row["tok_s"]["controller"]
+                                                        / row["tok_s"][best], 3)
+                res["rows"].append(row)
+                log(json.dumps(row))
+                save()
+    res["controller_stats"] = engine.stats()["speculation_control"]
+    res["complete"] = True
+    res["wall_s"] = round(time.monotonic() - t_start, 1)
+    save()
+
+
+if __name__ == "__main__":
+    main()
