@@ -78,25 +78,35 @@ class CostModel:
     def __init__(self) -> None:
         # A larger pass than any measured is assumed to cost what the largest did: tried
         # once, then measured.
-        self.passes = Curve()
+        self.passes = Curve()  # real steps
+        self.calibration = Curve()  # passes alone, measured at start
+        self._offset = 0.0  # what a real step adds to the calibrated pass (host work)
         # (method, drafting sequences) -> seconds by draft depth: a draft model's proposal is
         # one pass over its catch-up tokens, then one pass per further depth.
         self.drafts: dict[tuple[str, int], Curve] = {}
 
     # -- the target pass --------------------------------------------------------------------
     def record_pass(self, rows: int, seconds: float) -> None:
+        """A real step over `rows` query rows took `seconds` (its drafting left out)."""
         self.passes.record(rows, seconds)
+        if self.calibration:
+            gaps = [t - self.calibration(r) for r, t in self.passes.best.items()]
+            self._offset = sorted(gaps)[len(gaps) // 2]
 
     def knows(self, rows: int) -> bool:
-        return rows in self.passes.best
+        return rows in self.passes.best or rows in self.calibration.best
 
     @property
     def measured(self) -> dict[int, float]:
-        return dict(sorted(self.passes.best.items()))
+        return dict(sorted({**self.calibration.best, **self.passes.best}.items()))
 
     def pass_time(self, rows: int) -> float:
-        """Seconds of a target pass over `rows` query rows; 0.0 while nothing is measured."""
-        return self.passes(rows)
+        """Seconds of a step over `rows` query rows; 0.0 while nothing is measured. Where
+        real steps of that size were measured, theirs; else the calibrated pass plus what real
+        steps have been adding to it (host work the calibration does not see)."""
+        if rows in self.passes.best or not self.calibration:
+            return self.passes(rows)
+        return max(0.0, self.calibration(rows) + self._offset)
 
     # -- drafters ---------------------------------------------------------------------------
     def record_draft(self, method: str, batch: int, depth: int, seconds: float) -> None:
@@ -149,7 +159,7 @@ class CostModel:
                 _write_atomic(cache, {"pass_seconds": {str(r): s for r, s in curve.items()},
                                       "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         for r in rows:
-            self.record_pass(r, curve[r])
+            self.calibration.record(r, curve[r])
         return {r: curve[r] for r in rows}
 
 

@@ -285,6 +285,7 @@ class LLMEngine:
         outputs, self._carried = self._carried, []
         settled: list[Settled] = []
         aborted: list[Request] = []
+        t_step, t_draft, rows = time.perf_counter(), 0.0, 0
         try:
             aborted = self._finish_aborted()
             launched, self._launched = self._launched, None
@@ -293,9 +294,11 @@ class LLMEngine:
                 nxt = self.chainer.chain(launched)
                 settled = self.committer.commit(launched, in_flight=nxt.chain.shape.rows)
                 self._launched = nxt.rebase()
+                rows = launched.num_tokens
             else:
                 if launched is not None:
                     settled = self._commit(launched)  # the step's one host synchronisation
+                    rows = launched.num_tokens
                 decoding = [self.requests[s.request_id] for s in self.scheduler.running
                             if not s.in_prefill]
                 self.drafting.depths(decoding)
@@ -304,11 +307,15 @@ class LLMEngine:
                 for seq in plan.preempted:
                     self.drafting.release(self.requests[seq.request_id])
                 if not plan.empty:
-                    launched = self._launch(plan, self.drafting.propose(plan, self.requests))
+                    t = time.perf_counter()
+                    drafts = self.drafting.propose(plan, self.requests)
+                    t_draft = time.perf_counter() - t
+                    launched = self._launch(plan, drafts)
                     if self.overlap:
                         self._launched = launched  # committed by the next call
                     elif launched is not None:
                         settled += self._commit(launched)
+                        rows = launched.num_tokens
         except Exception:
             # Drafters may be left half-updated (a proposal never told what was accepted):
             # they forget every request and catch up at its next proposal.
@@ -320,14 +327,15 @@ class LLMEngine:
             outputs += [self._output(r, [], None, True) for r in aborted]
             self._carried = outputs
         self._carried = []
+        if rows:
+            # What the controller plans with is the whole step, host work and overlap as they
+            # are (a chained plain step hides its host work, a host-drafted one does not),
+            # less the drafters' time, which it counts apart.
+            self.drafting.controller.record_pass(rows, time.perf_counter() - t_step - t_draft)
         return outputs
 
     def _commit(self, launched: Launched) -> list[Settled]:
-        settled = self.committer.commit(launched)
-        if launched.chain is None:  # launch to read-back: the pass, or more when the host is
-            self.drafting.controller.record_pass(  # the slower side
-                launched.num_tokens, time.perf_counter() - launched.launched_at)
-        return settled
+        return self.committer.commit(launched)
 
     def _finish_aborted(self) -> list[Request]:
         aborted = [r for r in self.requests.values() if r.seq.aborted and not r.seq.is_finished]

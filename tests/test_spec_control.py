@@ -229,3 +229,14 @@ def test_adaptive_engine_keeps_greedy_output(tiny_llama):
     outs = llm.generate(prompts, p)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert llm.engine.drafting.controller.costs.measured  # costs were measured
+
+
+def test_real_steps_add_their_host_time_to_the_calibrated_curve(tmp_path):
+    c = CostModel()
+    c.calibrate(lambda n: None, 8, None)  # near-zero passes
+    c.calibration = type(c.calibration)()
+    for r in (1, 2, 4, 8):
+        c.calibration.record(r, 0.01 * r)
+    c.record_pass(1, 0.51)  # a real step: the pass and 0.5 s of host work
+    assert c.pass_time(1) == pytest.approx(0.51)
+    assert c.pass_time(4) == pytest.approx(0.04 + 0.5)  # calibrated, plus the host's share
