@@ -6,12 +6,14 @@ The pass curve is measured at start (`calibrate`: one eager pass per size of a g
 counts, the fastest of a few) and cached per machine, model, dtype, quantization and thread
 count, so only the first start on a machine pays for it. Real steps then refine it online.
 
-A shared machine only ever adds time to a step, so a cost is the fastest of its recent
-measurements, not their mean: a few steps slowed by another process do not make speculation look
-expensive, and a measurement older than WINDOW newer ones is forgotten. Between measured row
-counts the cost is interpolated linearly, so a plan's cost never jumps where a bucket would
-end; past the largest measured count it grows with the slope of the two largest (a larger pass
-is never assumed cheaper than a smaller one).
+A real step's cost is the median of its recent measurements (WINDOW per row count; an older one
+is forgotten), a drafter's too: robust to a few steps slowed by another process, and with
+overlap the only honest estimate of a step's period. The calibrated pass curve counts the pass
+alone; where no real step of a size was measured, the calibrated pass plus what real steps
+have been adding to it (host work) stands in. Between measured sizes the cost is interpolated
+linearly, so a plan's cost never jumps where a bucket would end; past the largest measured
+count it grows with the slope of the two largest (a larger pass is never assumed cheaper than
+a smaller one).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Curve:
             window = self._window[size] = deque(maxlen=WINDOW)
             bisect.insort(self._sizes, size)
         window.append(seconds)
-        self.best[size] = sorted(window)[len(window) // 2] if self.typical else min(window)
+        self.best[size] = sorted(window)[(len(window) - 1) // 2] if self.typical else min(window)
 
     def __bool__(self) -> bool:
         return bool(self._sizes)
@@ -78,7 +80,10 @@ class CostModel:
     def __init__(self) -> None:
         # A larger pass than any measured is assumed to cost what the largest did: tried
         # once, then measured.
-        self.passes = Curve()  # real steps
+        # Real steps: the median of the recent ones per row count. With overlap one call's
+        # time is the step's period only on average (a call that finds the device done
+        # returns fast, the next one waits longer), so the fastest is no estimate of it.
+        self.passes = Curve(typical=True)
         self.calibration = Curve()  # passes alone, measured at start
         self._offset = 0.0  # what a real step adds to the calibrated pass (host work)
         # (method, drafting sequences) -> seconds by draft depth: a draft model's proposal is

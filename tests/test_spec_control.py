@@ -136,7 +136,7 @@ def test_cost_model_interpolates_and_never_assumes_larger_is_cheaper():
     c.record_pass(4, 1.6)
     assert c.pass_time(2) == pytest.approx(1.2)
     assert c.pass_time(8) == pytest.approx(1.6 + 0.2 * 4)
-    c.record_pass(4, 9.0)  # a slow step on a busy machine: the fastest recent one stands
+    c.record_pass(4, 9.0)  # a slow step on a busy machine: the (lower) median stands
     assert c.pass_time(4) == 1.6
     c.record_draft("draft_model", 2, 4, 0.8)
     assert c.draft_time("draft_model", 2, 2) == pytest.approx(0.4)  # one depth: proportional
