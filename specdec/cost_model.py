@@ -9,8 +9,8 @@ count, so only the first start on a machine pays for it. Real steps then refine 
 A real step's cost is the median of its recent measurements (WINDOW per row count; an older one
 is forgotten), a drafter's too: robust to a few steps slowed by another process, and with
 overlap the only honest estimate of a step's period. The calibrated pass curve counts the pass
-alone; where no real step of a size was measured, the calibrated pass plus what real steps
-have been adding to it (host work) stands in. Between measured sizes the cost is interpolated
+alone; outside the sizes real steps have covered, the calibrated pass plus what the nearest
+real step added to it (host work) stands in. Between measured sizes the cost is interpolated
 linearly, so a plan's cost never jumps where a bucket would end; past the largest measured
 count it grows with the slope of the two largest (a larger pass is never assumed cheaper than
 a smaller one).
@@ -56,6 +56,10 @@ class Curve:
     def __bool__(self) -> bool:
         return bool(self._sizes)
 
+    @property
+    def sizes(self) -> list[int]:
+        return self._sizes
+
     def __call__(self, size: int) -> float:
         xs, best = self._sizes, self.best
         if not xs:
@@ -85,7 +89,6 @@ class CostModel:
         # returns fast, the next one waits longer), so the fastest is no estimate of it.
         self.passes = Curve(typical=True)
         self.calibration = Curve()  # passes alone, measured at start
-        self._offset = 0.0  # what a real step adds to the calibrated pass (host work)
         # (method, drafting sequences) -> seconds by draft depth: a draft model's proposal is
         # one pass over its catch-up tokens, then one pass per further depth.
         self.drafts: dict[tuple[str, int], Curve] = {}
@@ -94,9 +97,6 @@ class CostModel:
     def record_pass(self, rows: int, seconds: float) -> None:
         """A real step over `rows` query rows took `seconds` (its drafting left out)."""
         self.passes.record(rows, seconds)
-        if self.calibration:
-            gaps = [t - self.calibration(r) for r, t in self.passes.best.items()]
-            self._offset = sorted(gaps)[len(gaps) // 2]
 
     def knows(self, rows: int) -> bool:
         return rows in self.passes.best or rows in self.calibration.best
@@ -106,12 +106,18 @@ class CostModel:
         return dict(sorted({**self.calibration.best, **self.passes.best}.items()))
 
     def pass_time(self, rows: int) -> float:
-        """Seconds of a step over `rows` query rows; 0.0 while nothing is measured. Where
-        real steps of that size were measured, theirs; else the calibrated pass plus what real
-        steps have been adding to it (host work the calibration does not see)."""
-        if rows in self.passes.best or not self.calibration:
+        """Seconds of a step over `rows` query rows; 0.0 while nothing is measured. Within
+        the range of real steps measured, theirs (interpolated); outside it, the calibrated
+        pass plus what the real step nearest in size added to its calibrated pass (host work,
+        which the calibration does not see and which differs between a chained plain step
+        and a host-drafted one)."""
+        xs = self.passes.sizes
+        if not self.calibration or (xs and xs[0] <= rows <= xs[-1]):
             return self.passes(rows)
-        return max(0.0, self.calibration(rows) + self._offset)
+        if not xs:
+            return self.calibration(rows)
+        near = xs[0] if rows < xs[0] else xs[-1]
+        return max(0.0, self.calibration(rows) + self.passes.best[near] - self.calibration(near))
 
     # -- drafters ---------------------------------------------------------------------------
     def record_draft(self, method: str, batch: int, depth: int, seconds: float) -> None:

@@ -240,3 +240,6 @@ def test_real_steps_add_their_host_time_to_the_calibrated_curve(tmp_path):
     c.record_pass(1, 0.51)  # a real step: the pass and 0.5 s of host work
     assert c.pass_time(1) == pytest.approx(0.51)
     assert c.pass_time(4) == pytest.approx(0.04 + 0.5)  # calibrated, plus the host's share
+    c.record_pass(4, 1.04)  # a larger real step adds more (host-drafted, say)
+    assert c.pass_time(2) == pytest.approx(0.51 + (1.04 - 0.51) / 3)  # real steps between
+    assert c.pass_time(8) == pytest.approx(0.08 + 1.0)  # past them: the nearest one's share
