@@ -130,6 +130,8 @@ static void block_rows(int kind, const int8_t *xq, const float *xd, const float 
     block_portable(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);
 }
 
+static int offset_q8(int kind, int path, int amx) { (void)kind; (void)path; (void)amx; return 0; }
+
 int sd_amx_enable(void) { return 0; }
 
 #else /* SD_AVX512 */
@@ -153,8 +155,8 @@ static inline void unit_rows(int kind, const void *unit, __m512i w[8]) {
     }
 }
 
-static inline void prefetch_unit(const uint8_t *unit) {
-    for (int line = 0; line < 4; line++)
+static inline void prefetch_unit(const uint8_t *unit, int64_t bytes) {
+    for (int64_t line = 0; line < bytes / 64; line++)
         _mm_prefetch((const char *)unit + PREFETCH + 64 * line, _MM_HINT_T0);
 }
 
@@ -177,8 +179,11 @@ static inline void store_rows(const __m512 *fa, int MB, const float *bias, int64
         _mm512_storeu_ps(y + m * ldy + nb * 16, bias ? _mm512_add_ps(fa[m], b) : fa[m]);
 }
 
-/* AVX-512: up to MB_MAX activation rows against one 16-row block. */
-static void block_avx(int kind, const int8_t *xq, const float *xd, const float *xs, int64_t M,
+/* AVX-512: M activation rows against one 16-row block, MB_MAX rows per pass over the block's
+ * units. q8 takes the activations offset to unsigned (xa = x + 128, see matmul): vpdpbusd
+ * multiplies unsigned by signed bytes, and 128 * (each weight row's sum), the same for every
+ * row, comes off once per unit. q4 takes the signed activations against its unsigned nibbles. */
+static void block_avx(int kind, const int8_t *xa, const float *xd, const float *xs, int64_t M,
                       int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
                       const float *bias, int64_t nb, float *y, int64_t ldy) {
     const int64_t G = K / GROUP, ub = kind == 4 ? 256 : 512;
@@ -190,7 +195,7 @@ static void block_avx(int kind, const int8_t *xq, const float *xd, const float *
         for (int64_t g = 0; g < G; g++) {
             const int64_t u = nb * G + g;
             const uint8_t *unit = (const uint8_t *)qs + u * ub;
-            prefetch_unit(unit);
+            prefetch_unit(unit, ub);
             __m512i w[8];
             unit_rows(kind, unit, w);
             __m512i corr = _mm512_setzero_si512();  /* q8: 128 * (sum of each row's values) */
@@ -199,15 +204,12 @@ static void block_avx(int kind, const int8_t *xq, const float *xd, const float *
             const __m512 d16 = h16(d + u * 16);
             const __m512 mn16 = mn ? h16(mn + u * 16) : _mm512_setzero_ps();
             for (int m = 0; m < MB; m++) {
-                const int8_t *a = xq + (m0 + m) * K + g * GROUP;
+                const int8_t *a = xa + (m0 + m) * K + g * GROUP;
                 __m512i acc = _mm512_setzero_si512();
                 for (int r = 0; r < 8; r++) {
-                    __m512i x = _mm512_set1_epi32(*(const int32_t *)(a + 4 * r));
-                    if (kind == 4) {
-                        acc = _mm512_dpbusd_epi32(acc, w[r], x);
-                    } else {  /* (x + 128) unsigned against signed w, corrected below */
-                        acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(x, flip), w[r]);
-                    }
+                    const __m512i x = _mm512_set1_epi32(*(const int32_t *)(a + 4 * r));
+                    acc = kind == 4 ? _mm512_dpbusd_epi32(acc, w[r], x)
+                                    : _mm512_dpbusd_epi32(acc, x, w[r]);
                 }
                 if (kind == 8) acc = _mm512_sub_epi32(acc, corr);
                 fa[m] = add_group(fa[m], acc, d16, mn16, mn != NULL, xd[(m0 + m) * G + g],
@@ -270,7 +272,7 @@ static void block_amx(int kind, const int8_t *xq, const float *xd, const float *
         for (int64_t g = 0; g < G; g++) {
             const int64_t u = nb * G + g;
             const uint8_t *unit = (const uint8_t *)qs + u * ub;
-            prefetch_unit(unit);
+            prefetch_unit(unit, ub);
             _tile_zero(0);
             _tile_loadd(1, xq + m0 * K + g * GROUP, K);
             if (kind == 4) {
@@ -308,6 +310,9 @@ static void block_rows(int kind, const int8_t *xq, const float *xd, const float 
         block_avx(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);
 }
 
+/* Whether block_avx runs, on q8 weights: it takes the activations offset to unsigned. */
+static int offset_q8(int kind, int path, int amx) { return kind == 8 && path != 0 && !amx; }
+
 #endif /* SD_AVX512 */
 
 /* Activation rows per pass over the weights: their int8 copies stay in the L2 cache. */
@@ -321,15 +326,24 @@ static void matmul(int kind, const int8_t *xq, const float *xd, const float *xs,
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
         const int amx = path == 2 && use_amx(mc);
+        const int8_t *xa = xq + m0 * K;
+        int8_t *offset = NULL;  /* x + 128 as unsigned bytes: one xor per byte */
+        if (offset_q8(kind, path, amx)) {
+            offset = malloc((size_t)(mc * K));
+            if (offset == NULL) abort();
+            for (int64_t i = 0; i < mc * K; i++) offset[i] = (int8_t)(xa[i] ^ 0x80);
+            xa = offset;
+        }
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < NB; nb++) {
             if (path == 0)
-                block_portable(kind, xq + m0 * K, xd + m0 * G, xs + m0 * G, mc, K, qs, d, mn,
-                               bias, nb, y + m0 * ldy, ldy);
+                block_portable(kind, xa, xd + m0 * G, xs + m0 * G, mc, K, qs, d, mn, bias, nb,
+                               y + m0 * ldy, ldy);
             else
-                block_rows(kind, xq + m0 * K, xd + m0 * G, xs + m0 * G, mc, K, qs, d, mn, bias,
-                           nb, y + m0 * ldy, ldy, amx);
+                block_rows(kind, xa, xd + m0 * G, xs + m0 * G, mc, K, qs, d, mn, bias, nb,
+                           y + m0 * ldy, ldy, amx);
         }
+        free(offset);
     }
 }
 
