@@ -24,7 +24,7 @@ from server.cors import CORS
 from server.experiments_api import ExperimentsAPI
 from server.limits import BODY_TIMEOUT_S, ClientLimit, read_within
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.openapi import openapi_schema
+from server.openapi import Served, openapi_schema
 from server.protocol import APIError
 from server.serving import Serving
 
@@ -188,8 +188,14 @@ def build_app(engine: Any, api_key: str | None = None, *, max_waiting: int | Non
     async def metrics_text(_: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    document = openapi_schema(Served(
+        name, max_model_len=max_len, vocab_size=len(serving.builder.tok), auth=api_key is not None,
+        experiments=experiments is not None, draft_models=tuple(serving.draft_models),
+        default_draft_model=serving.default_draft_model,
+        eagle_heads=tuple(serving.eagle_heads)))
+
     async def openapi(_: Request) -> Response:
-        return JSONResponse(openapi_schema(name))
+        return JSONResponse(document)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)

@@ -12,6 +12,7 @@ browser's address bar sends no header); its script then sends the key as a heade
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import ipaddress
 import math
@@ -23,7 +24,15 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from experiments.config import Experiment, parse_experiment
+from experiments.config import (
+    DESIGNS,
+    MAX_ARMS,
+    MAX_SLOT_SECONDS,
+    NAME_RE,
+    STATES,
+    Experiment,
+    parse_experiment,
+)
 from experiments.manager import (
     ExperimentExistsError,
     ExperimentManager,
@@ -69,18 +78,23 @@ class ExperimentsAPI:
         self.page = DASHBOARD.read_text(encoding="utf-8")
 
     def routes(self, endpoint: Endpoint) -> list[Route]:
+        # One route per path (and per action), so that another method on a path is a 405 whose
+        # Allow header lists all the methods the path takes.
         return [
-            Route("/v1/experiments", endpoint("experiments", self.index, True), methods=["GET"]),
-            Route("/v1/experiments", endpoint("experiments", self.create, True),
-                  methods=["POST"]),
+            Route("/v1/experiments", endpoint("experiments", self.collection, True),
+                  methods=["GET", "POST"]),
             Route("/v1/experiments/{name}", endpoint("experiments", self.show, True),
                   methods=["GET"]),
             Route("/v1/experiments/{name}/records", endpoint("experiments", self.records, True),
                   methods=["GET"]),
-            Route("/v1/experiments/{name}/{action}", endpoint("experiments", self.act, True),
-                  methods=["POST"]),
+            *[Route(f"/v1/experiments/{{name}}/{action}",
+                    endpoint("experiments", functools.partial(self.act, state=state), True),
+                    methods=["POST"]) for action, state in ACTIONS.items()],
             Route("/dashboard", endpoint("dashboard", self.dashboard, False), methods=["GET"]),
         ]
+
+    async def collection(self, request: Request) -> Response:
+        return await (self.create(request) if request.method == "POST" else self.index(request))
 
     def check_arms(self, exp: Experiment, prefix: str = "") -> None:
         """Every arm's speculation as the server would run it: named draft models and heads
@@ -116,15 +130,11 @@ class ExperimentsAPI:
             raise APIError(409, str(exc), param="name", code="experiment_exists") from None
         return JSONResponse(self._describe(exp), status_code=201)
 
-    async def act(self, request: Request) -> Response:
-        action = request.path_params["action"]
-        if action not in ACTIONS:
-            raise APIError(404, f"POST {request.url.path}: no such action (choose "
-                           f"{', '.join(ACTIONS)})", code="not_found")
+    async def act(self, request: Request, state: str) -> Response:
         await self._write_body(request)
         try:
             exp = await asyncio.to_thread(self.manager.set_state, request.path_params["name"],
-                                          ACTIONS[action])
+                                          state)
         except UnknownExperimentError as exc:
             raise APIError(404, str(exc), code="experiment_not_found") from None
         except StateChangeError as exc:
@@ -190,51 +200,112 @@ def _level(request: Request, name: str, default: float, hi: float) -> float:
 
 # ---- OpenAPI (server/openapi.py merges these) ------------------------------------------------
 
-_SPEC = {"type": "object", "description": "A speculative object, as a request's "
-         "'speculative' field", "additionalProperties": True}
-EXPERIMENT_SCHEMA: dict[str, Any] = {
-    "type": "object", "required": ["name", "arms"], "properties": {
-        "name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"},
-        "description": {"type": "string"},
-        "arms": {"type": "object", "additionalProperties": _SPEC, "minProperties": 2,
-                 "maxProperties": 16},
-        "control": {"type": "string", "description": "An arm name; default: the first arm"},
-        "weights": {"type": "object", "additionalProperties": {"type": "number"},
-                    "description": "Positive, per arm (normalised); default: equal"},
-        "design": {"type": "string", "enum": ["request", "switchback"]},
-        "slot_seconds": {"type": "number", "description": "switchback only; default 300"},
-        "burn_in_seconds": {"type": "number", "description": "switchback only; below "
-                            "slot_seconds; default 30"},
-        "state": {"type": "string", "enum": ["active", "paused", "stopped"]}}}
+def experiment_schema(arm: dict[str, Any]) -> dict[str, Any]:
+    """An experiment's definition; `arm` is the speculative object an arm runs. What JSON
+    Schema (of OpenAPI 3.0) cannot say is in the descriptions: arm names follow the pattern of
+    `name`, `control` and the keys of `weights` name arms,
+    switchback weights are equal, and `burn_in_seconds` is below `slot_seconds`."""
+    name = {"type": "string", "pattern": NAME_RE.pattern}
+    positive = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
+    switchback_only = {"anyOf": [{"required": ["slot_seconds"]},
+                                 {"required": ["burn_in_seconds"]}]}
+    return {
+        "type": "object", "required": ["name", "arms"], "additionalProperties": False,
+        "properties": {
+            "name": name,
+            "description": {"type": "string", "maxLength": 1000},
+            "arms": {"type": "object", "additionalProperties": arm,
+                     "minProperties": 2, "maxProperties": MAX_ARMS,
+                     "description": "Arm name -> speculation; arm names are spelled as "
+                     "experiment names"},
+            "control": {"type": "string", "description": "An arm name; default: the first"},
+            "weights": {"type": "object", "additionalProperties": positive,
+                        "description": "Every arm's share (normalised); default: equal. Under "
+                        "switchback all equal"},
+            "design": {"type": "string", "enum": list(DESIGNS)},
+            "slot_seconds": {"type": "number", "minimum": 1, "maximum": MAX_SLOT_SECONDS,
+                             "description": "switchback only; default 300"},
+            "burn_in_seconds": {"type": "number", "minimum": 0, "description": "switchback "
+                                "only; below slot_seconds; default 30 (or half a slot)"},
+            "state": {"type": "string", "enum": list(STATES)},
+            "started_at": {"type": "number", "minimum": 0,
+                           "description": "Unix seconds; default: when first served"}},
+        # slot_seconds and burn_in_seconds only with design: switchback.
+        "anyOf": [{"not": switchback_only},
+                  {"required": ["design"], "properties": {"design": {"enum": ["switchback"]}}}]}
 
 
-def _op(method: str, summary: str, codes: tuple[int, ...], body: bool = False,
-        media: str = "application/json") -> dict[str, Any]:
+_REASONS = {400: "Invalid definition or query (the error's param names the field)",
+            401: "Missing or wrong API key",
+            403: "Without --api-key, writes are taken only from the server's own host",
+            404: "No such experiment", 408: "Body not received within --body-timeout",
+            409: "Name taken, or a state change the experiment's state rules out",
+            413: "Body over the size limit", 415: "Content-Type is not application/json",
+            429: "Too many requests in flight from this client (see Retry-After)"}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying",
+                                "schema": {"type": "integer"}}}
+_RESULT = {"type": "object", "required": ["experiment"],
+           "properties": {"experiment": {"type": "object"}}}
+_DESCRIBED = {"type": "object", "required": ["name", "arms", "state", "assigning"],
+              "properties": {"name": {"type": "string"}, "arms": {"type": "object"},
+                             "state": {"type": "string", "enum": list(STATES)},
+                             "assigning": {"type": "boolean"}}}
+_LIST = {"type": "object", "required": ["object", "data"], "properties": {
+    "object": {"type": "string", "enum": ["list"]},
+    "assigning": {"type": "string", "nullable": True},
+    "data": {"type": "array", "items": _DESCRIBED}}}
+
+
+def _op(summary: str, ok: dict[str, Any], codes: tuple[int, ...], auth: bool,
+        status: int = 200, media: str = "application/json",
+        body: dict[str, Any] | None = None, security: str = "bearer") -> dict[str, Any]:
     ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    op: dict[str, Any] = {"summary": summary, "responses": {
-        "200": {"description": "OK", "content": {media: {"schema": {"type": "object"}}}},
-        **{str(c): {"description": str(c), **ref} for c in codes}}}
-    if body:
+    codes = tuple(sorted(set(codes) | ({401} if auth else set())))
+    responses: dict[str, Any] = {str(status): {"description": "OK",
+                                               "content": {media: {"schema": ok}}}}
+    for c in codes:
+        responses[str(c)] = {"description": _REASONS[c], **ref}
+        if c == 429:
+            responses[str(c)]["headers"] = _RETRY_AFTER
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
+    if body is not None:
         op["requestBody"] = {"required": True, "content": {"application/json": {
-            "schema": {"$ref": "#/components/schemas/Experiment"}}}}
-    return {method: op}
+            "schema": body}}}
+    if auth:
+        op["security"] = [{"bearer": []}] + ([{security: []}] if security != "bearer" else [])
+    return op
 
 
-def openapi_paths() -> dict[str, Any]:
+def openapi_paths(auth: bool) -> dict[str, Any]:
+    """The admin API and dashboard as `auth` (the server's --api-key) makes them."""
     name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
     action = {"name": "action", "in": "path", "required": True,
               "schema": {"type": "string", "enum": list(ACTIONS)}}
+    level = [{"name": "alpha", "in": "query", "schema": {
+                 "type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 0.5,
+                 "description": "Significance level; default 0.05"}},
+             {"name": "mde", "in": "query", "schema": {
+                 "type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 10,
+                 "description": "Minimum detectable effect; default 0.05"}}]
+    # Writes: 403 only without a key; 408, 413, 415 and 429 from reading the body.
+    writes = (408, 413, 415, 429) + (() if auth else (403,))
+    create = (400, 409) + writes
+    empty = {"type": "object", "description": "Not read: send {} (or an empty body) with "
+             "Content-Type: application/json"}
     return {
         "/v1/experiments": {
-            **_op("get", "A/B experiments with their states", (401,)),
-            **_op("post", "Create an experiment (201)", (400, 401, 403, 409, 415), body=True)},
-        "/v1/experiments/{name}": {"parameters": [name], **_op(
-            "get", "Definition and live summary (query alpha, mde)", (400, 401, 404))},
-        "/v1/experiments/{name}/records": {"parameters": [name], **_op(
-            "get", "Definition and every record", (401, 404))},
-        "/v1/experiments/{name}/{action}": {"parameters": [name, action], **_op(
-            "post", "Pause, resume or stop (send Content-Type: application/json)",
-            (401, 403, 404, 409, 415))},
-        "/dashboard": _op("get", "The experiments' live page (?key=KEY or the header)", (401,),
-                          media="text/html"),
+            "get": _op("A/B experiments with their states", _LIST, (), auth),
+            "post": _op("Create an experiment", _DESCRIBED, create, auth, status=201,
+                        body={"$ref": "#/components/schemas/Experiment"})},
+        "/v1/experiments/{name}": {"parameters": [name], "get": {
+            **_op("Definition and live summary", {**_RESULT, "required": [
+                "experiment", "summary"]}, (400, 404), auth), "parameters": level}},
+        "/v1/experiments/{name}/records": {"parameters": [name], "get": _op(
+            "Definition and every record", {**_RESULT, "required": ["experiment", "records"]},
+            (404,), auth)},
+        "/v1/experiments/{name}/{action}": {"parameters": [name, action], "post": _op(
+            "Pause, resume or stop", _DESCRIBED, (400, 404, 409) + writes, auth, body=empty)},
+        "/dashboard": {"get": _op("The experiments' live page (the key as ?key=KEY or the "
+                                  "header)", {"type": "string"}, (), auth, media="text/html",
+                                  security="dashboard_key")},
     }

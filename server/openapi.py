@@ -1,10 +1,33 @@
-"""A hand-written OpenAPI 3 description of the server's endpoints and request bodies."""
+"""A hand-written OpenAPI 3 description of the server's endpoints and request bodies.
+
+The document describes the server as it was started: the served model's name and context, the
+speculation it can run (the draft models and EAGLE heads it was given), whether it needs an API
+key, and whether the experiments' admin API is on. Constraints between fields that JSON Schema
+cannot state (a prompt's length in tokens, `min_n` not above `max_n`, ...) are in descriptions.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from server.experiments_api import EXPERIMENT_SCHEMA, openapi_paths
+from drafters import DRAFTERS, drafter_class
+from drafters.base import AUTO_DRAFTERS, COMMON_OPTIONS, Option
+from server.experiments_api import experiment_schema, openapi_paths
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the document describes beyond the endpoints themselves."""
+
+    model_name: str
+    max_model_len: int = 1 << 20
+    vocab_size: int | None = None  # None: token ids are checked by the server alone
+    auth: bool = False  # started with --api-key
+    experiments: bool = False
+    draft_models: tuple[str, ...] = ()
+    default_draft_model: bool = False  # a draft_model request may leave its model out
+    eagle_heads: tuple[str, ...] = ()
 
 
 def _num(desc: str, lo: float | None = None, hi: float | None = None,
@@ -17,99 +40,244 @@ def _num(desc: str, lo: float | None = None, hi: float | None = None,
     return s
 
 
-_STOP = {"description": "Up to 16 strings that end generation (not included in the output)",
-         "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
-                                         "maxItems": 16}]}
+def _optional(props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The generation endpoints read a null field as a field left out."""
+    return {k: v if k in required else _nullable(v) for k, v in props.items()}
 
-SPECULATIVE = {
-    "type": "object", "nullable": True,
-    "description": "Per-request speculation; omitted or null uses the server's default.",
-    "properties": {
-        "method": {"type": "string", "description": "'ngram', 'draft_model' or 'none'"},
-        "num_speculative_tokens": _num("Draft tokens per step", 0, 64, integer=True),
-    },
-    "additionalProperties": True,
-}
 
-SAMPLING: dict[str, Any] = {
-    "model": {"type": "string", "description": "Must match the served model id if given"},
-    "temperature": _num("0 is greedy", 0, 2),
-    "top_p": _num("Nucleus sampling mass", 0, 1),
-    "top_k": _num("-1 or 0 disables", -1, integer=True),
-    "min_p": _num("Minimum probability relative to the top token", 0, 1),
-    "presence_penalty": _num("OpenAI presence penalty", -2, 2),
-    "frequency_penalty": _num("OpenAI frequency penalty", -2, 2),
-    "repetition_penalty": _num("Multiplicative repetition penalty (1 is off)", 0, 10),
-    "stop": _STOP,
-    "seed": _num("Sampling seed; with n > 1 choice i uses seed + i", integer=True),
-    "n": _num("Number of choices", 1, 16, integer=True),
-    "stream": {"type": "boolean", "description": "Server-sent events ending in data: [DONE]"},
-    "stream_options": {"type": "object",
-                       "properties": {"include_usage": {"type": "boolean"}}},
-    "speculative": SPECULATIVE,
-}
+def _nullable(s: dict[str, Any]) -> dict[str, Any]:
+    s = {**s, "nullable": True}
+    if "enum" in s:
+        s["enum"] = [*s["enum"], None]
+    return s
 
-COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
-    "prompt": {"description": "Text, token ids, or a list of one of either",
-               "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
-                         {"type": "array", "maxItems": 1, "items": {"type": "string"}}]},
-    "suffix": {"type": "string", "description": "Fill-in-the-middle: text after the cursor; "
-               "needs a model with FIM tokens"},
-    "max_tokens": _num("Default 16", 1, integer=True),
-    "logprobs": _num("Top-n log-probabilities per token", 0, 20, integer=True),
-    "echo": {"type": "boolean"},
-    **SAMPLING}}
 
-CHAT = {"type": "object", "required": ["messages"], "properties": {
-    "messages": {"type": "array", "minItems": 1, "items": {
-        "type": "object", "required": ["role"], "properties": {
-            "role": {"type": "string",
-                     "enum": ["system", "developer", "user", "assistant", "tool"]},
-            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-                "type": "object", "properties": {"type": {"enum": ["text"]},
-                                                 "text": {"type": "string"}}}}]}}}},
-    "max_tokens": _num("Default: the rest of the context", 1, integer=True),
-    "max_completion_tokens": _num("Alias of max_tokens", 1, integer=True),
-    "logprobs": {"type": "boolean"},
-    "top_logprobs": _num("Needs logprobs: true", 0, 20, integer=True),
-    **SAMPLING}}
+# ---- speculation -----------------------------------------------------------------------------
 
-LLAMA_COMMON = {
-    "n_predict": _num("-1: until the context is full; 0: one token", -1, integer=True),
-    "n_indent": _num("Stop at a later line indented less than this", 0, integer=True),
-    "t_max_predict_ms": _num("Once spent (from the first token), stop after the next token "
-                             "that follows a newline", None),
-    "t_max_prompt_ms": _num("Accepted, not acted on (as llama.cpp)", None),
-    "samplers": {"description": "llama.cpp sampler names or letters; applied: penalties, "
-                 "temperature, top_k, top_p, min_p, infill",
-                 "oneOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}]},
-    "cache_prompt": {"type": "boolean", "description": "false: compute the whole prompt"},
-    "n_probs": _num("Top-n log-probabilities (completion_probabilities)", 0, 20, integer=True),
-    "response_fields": {"type": "array", "items": {"type": "string"},
-                        "description": "Paths such as 'timings/prompt_n': the response holds "
-                        "only these, keyed by path"},
-    "return_tokens": {"type": "boolean"},
-    "repeat_penalty": _num("Alias of repetition_penalty", 0, 10),
-    **{k: v for k, v in SAMPLING.items() if k not in ("n", "stream_options")}}
+_KINDS = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "object"}
+_RATE = r"(0(\.[0-9]+)?|1(\.0*)?|\.[0-9]+)"
+_NOTES = {"min_n": "At most max_n", "max_n": "At least min_n",
+          "survival": "Comma-separated survival rates per depth, non-increasing, in [0, 1]",
+          "script": "Replay script (an object)"}
 
-INFILL = {"type": "object", "description": "llama.cpp's /infill request", "properties": {
-    "input_prefix": {"type": "string"}, "input_suffix": {"type": "string"},
-    "input_extra": {"type": "array", "items": {"type": "object", "required": ["text"],
-                                               "properties": {"filename": {"type": "string"},
-                                                              "text": {"type": "string"}}}},
-    "prompt": {"type": "string", "description": "The cursor line's start, after the prefix"},
-    **LLAMA_COMMON}}
 
-LLAMA_COMPLETION = {"type": "object", "description": "llama.cpp's /completion request",
-                    "required": ["prompt"], "properties": {
-                        "prompt": {"oneOf": [{"type": "string"}, {
-                            "type": "array", "items": {"type": "integer"}}]},
-                        **LLAMA_COMMON}}
+def _option(key: str, opt: Option) -> dict[str, Any]:
+    s: dict[str, Any] = {"type": _KINDS[opt.kind]}
+    if opt.lo is not None:
+        s.update(minimum=opt.lo, maximum=opt.hi)
+    if key in _NOTES:
+        s["description"] = _NOTES[key]
+    if key == "survival":
+        s["pattern"] = f"^{_RATE}(,{_RATE})*$"
+    return s
 
-ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-    "message": {"type": "string"}, "type": {"type": "string"},
-    "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True},
-}}}}
+
+def speculative_schema(served: Served, *, file_alias: bool = False) -> dict[str, Any]:
+    """A `speculative` object: one variant per method this server can run, each taking exactly
+    that method's options (as drafters.check_speculative). `file_alias`: an experiment arm,
+    which may say `k` for `num_speculative_tokens` (not both)."""
+    names = {"draft_model": list(served.draft_models), "eagle_head": list(served.eagle_heads)}
+    methods = ["ngram", "none", "auto", "replay"]
+    methods += [m for m, key in (("draft_model", "draft_model"), ("eagle", "eagle_head"))
+                if names[key]]
+    variants = []
+    for method in methods:
+        options = dict(COMMON_OPTIONS)
+        if method == "auto":
+            for m in AUTO_DRAFTERS:
+                options.update(drafter_class(m).options)
+        elif method in DRAFTERS:
+            options.update(drafter_class(method).options)
+        props: dict[str, Any] = {}
+        for key, opt in options.items():
+            if key in names:
+                if names[key]:
+                    props[key] = {"type": "string", "enum": names[key]}
+                continue
+            props[key] = _option(key, opt)
+        props["method"] = {"type": "string", "enum": [method]}
+        variant: dict[str, Any] = {"type": "object", "properties": props,
+                                   "additionalProperties": False}
+        required = [] if method == "ngram" else ["method"]  # ngram is the default
+        if method == "draft_model" and not served.default_draft_model:
+            required.append("draft_model")
+        if method == "eagle":
+            required.append("eagle_head")
+        if required:
+            variant["required"] = required
+        if file_alias:
+            props["k"] = {**props["num_speculative_tokens"],
+                          "description": "Alias of num_speculative_tokens"}
+            variant["not"] = {"required": ["k", "num_speculative_tokens"]}
+        variants.append(variant)
+    return {"description": "Speculation: 'method' (default ngram) and that method's options. "
+            "Methods here: " + ", ".join(methods), "anyOf": variants}
+
+
+# ---- request bodies --------------------------------------------------------------------------
+
+def _token_ids(served: Served, desc: str) -> dict[str, Any]:
+    item = _num("A token id", 0, None if served.vocab_size is None else served.vocab_size - 1,
+                integer=True)
+    return {"type": "array", "items": item, "description": desc}
+
+
+_TEXT = {"type": "string", "maxLength": 256}
+
+
+def _sampling(served: Served) -> dict[str, Any]:
+    return {
+        "model": {"type": "string", "enum": [served.model_name],
+                  "description": "The served model's id (another is a 404)"},
+        "temperature": _num("0 is greedy", 0, 2),
+        "top_p": _num("Nucleus sampling mass", 0, 1),
+        "top_k": _num("-1 or 0 disables", -1, integer=True),
+        "min_p": _num("Minimum probability relative to the top token", 0, 1),
+        "presence_penalty": _num("OpenAI presence penalty", -2, 2),
+        "frequency_penalty": _num("OpenAI frequency penalty", -2, 2),
+        "repetition_penalty": _num("Multiplicative repetition penalty (1 is off)", 0, 10),
+        "stop": {"description": "Up to 16 strings that end generation (not included in the "
+                 "output)", "oneOf": [_TEXT, {"type": "array", "items": _TEXT,
+                                              "maxItems": 16}]},
+        "stop_token_ids": {**_token_ids(served, "Token ids that end generation"),
+                           "maxItems": 64},
+        "ignore_eos": {"type": "boolean"},
+        "seed": _num("Sampling seed; with n > 1 choice i uses seed + i", -(2**63), 2**63 - 1,
+                     integer=True),
+        "n": _num("Number of choices", 1, 16, integer=True),
+        "stream": {"type": "boolean", "description": "Server-sent events ending in data: [DONE]"},
+        "stream_options": {"type": "object",
+                           "properties": {"include_usage": _nullable({"type": "boolean"})}},
+        "speculative": speculative_schema(served),
+        "user": {"type": "string", "description": "End-user id (an experiment's unit)"},
+    }
+
+
+def _max_tokens(served: Served, desc: str, bounded: bool = True) -> dict[str, Any]:
+    """`bounded`: the field is always the one used, so one not below the context never fits."""
+    return _num(f"{desc}; the prompt's tokens plus these must fit the context "
+                f"({served.max_model_len} tokens)", 1,
+                served.max_model_len - 1 if bounded else None, integer=True)
+
+
+def completion_schema(served: Served) -> dict[str, Any]:
+    def text(min_length: int) -> list[dict[str, Any]]:
+        string = {"type": "string", "minLength": min_length}
+        return [string, {"type": "array", "minItems": 1, "maxItems": 1, "items": string}]
+
+    ids = {**_token_ids(served, "Token ids"), "minItems": 1}
+    props = {
+        "prompt": {"description": "Text (empty only with a suffix), token ids, or a list of "
+                   "one of either; the prompt must be shorter than the context "
+                   f"({served.max_model_len} tokens)",
+                   "oneOf": [*text(0), ids, {"type": "array", "minItems": 1, "maxItems": 1,
+                                             "items": ids}]},
+        "suffix": {"type": "string", "description": "Fill-in-the-middle: text after the "
+                   "cursor; needs a text prompt, and no echo"},
+        "max_tokens": _max_tokens(served, "Default 16"),
+        "logprobs": _num("Top-n log-probabilities per token", 0, 20, integer=True),
+        "echo": {"type": "boolean"},
+        **_sampling(served)}
+    no_suffix = {"anyOf": [{"not": {"required": ["suffix"]}},
+                           {"properties": {"suffix": {"enum": [None], "nullable": True}}}]}
+    return {"type": "object", "required": ["prompt"], "properties": _optional(props, ("prompt",)),
+            "anyOf": [
+                # Without a suffix: any prompt but empty text.
+                {**no_suffix, "properties": {"prompt": {"oneOf": [
+                    *text(1), *props["prompt"]["oneOf"][2:]]}}},
+                # With one: a text prompt, and no echo.
+                {"required": ["suffix"], "properties": {
+                    "suffix": {"type": "string"}, "prompt": {"oneOf": text(0)},
+                    "echo": {"enum": [False, None], "nullable": True}}}]}
+
+
+def chat_schema(served: Served) -> dict[str, Any]:
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]},
+                           "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": _nullable({"oneOf": [{"type": "string"},
+                                        {"type": "array", "items": part}]}),
+        "name": _nullable({"type": "string"})}}
+    props = {
+        "messages": {"type": "array", "minItems": 1, "items": message,
+                     "description": "Rendered with the model's chat template; the result must "
+                     f"be shorter than the context ({served.max_model_len} tokens)"},
+        "max_tokens": _max_tokens(served, "Default: the rest of the context", bounded=False),
+        "max_completion_tokens": _max_tokens(served, "Alias of max_tokens (this one wins)",
+                                             bounded=False),
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": _num("Needs logprobs: true", 0, 20, integer=True),
+        **_sampling(served)}
+    return {"type": "object", "required": ["messages"],
+            "properties": _optional(props, ("messages",)),
+            # top_logprobs (not null) needs logprobs: true.
+            "anyOf": [{"not": {"required": ["top_logprobs"]}},
+                      {"properties": {"top_logprobs": {"enum": [None], "nullable": True}}},
+                      {"required": ["logprobs"], "properties": {"logprobs": {"enum": [True]}}}]}
+
+
+def _llama_common(served: Served) -> dict[str, Any]:
+    sampling = _sampling(served)
+    return {
+        "n_predict": _num("-1: until the context is full; 0: one token; the prompt's tokens "
+                          "plus these must fit the context", -1, served.max_model_len - 1,
+                          integer=True),
+        "n_indent": _num("Stop at a later line indented less than this", 0, integer=True),
+        "t_max_predict_ms": _num("Once spent (from the first token), stop after the next token "
+                                 "that follows a newline", None),
+        "t_max_prompt_ms": _num("Accepted, not acted on (as llama.cpp)", None),
+        "id_slot": _num("Accepted, not acted on (no slots here)", -1, integer=True),
+        "samplers": {"description": "llama.cpp sampler names or letters; applied: penalties, "
+                     "temperature, top_k, top_p, min_p, infill",
+                     "oneOf": [{"type": "array", "items": {"type": "string"}},
+                               {"type": "string"}]},
+        "cache_prompt": {"type": "boolean", "description": "false: compute the whole prompt"},
+        "n_probs": _num("Top-n log-probabilities (completion_probabilities)", 0, 20,
+                        integer=True),
+        "response_fields": {"type": "array", "items": {"type": "string"},
+                            "description": "Paths such as 'timings/prompt_n': the response "
+                            "holds only these, keyed by path"},
+        "return_tokens": {"type": "boolean"},
+        "repeat_penalty": _num("Alias of repetition_penalty", 0, 10),
+        "stop": {"type": "array", "items": {"type": "string"},
+                 "description": "Strings that end generation"},
+        "seed": _num("Sampling seed; -1 or 4294967295: random", -1, 2**64 - 1, integer=True),
+        **{k: sampling[k] for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                    "frequency_penalty", "ignore_eos", "stream", "speculative",
+                                    "user")}}
+
+
+def infill_schema(served: Served) -> dict[str, Any]:
+    extra = {"type": "object", "required": ["text"], "properties": {
+        "filename": _nullable({"type": "string"}), "text": {"type": "string"}}}
+    props = {"input_prefix": {"type": "string"}, "input_suffix": {"type": "string"},
+             "input_extra": {"type": "array", "items": extra},
+             "prompt": {"type": "string", "description": "The cursor line's start, after the "
+                        "prefix"},
+             **_llama_common(served)}
+    return {"type": "object", "description": "llama.cpp's /infill request",
+            "properties": _optional(props)}
+
+
+def llama_completion_schema(served: Served) -> dict[str, Any]:
+    props = {"prompt": {"description": "Text or token ids, not empty; shorter than the context "
+                        f"({served.max_model_len} tokens)",
+                        "oneOf": [{"type": "string", "minLength": 1},
+                                  {**_token_ids(served, "Token ids"), "minItems": 1}]},
+             **_llama_common(served)}
+    return {"type": "object", "description": "llama.cpp's /completion request",
+            "required": ["prompt"], "properties": _optional(props, ("prompt",))}
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": "string", "nullable": True},
+        "code": {"type": "string", "nullable": True}}}}}
 
 USAGE = {"type": "object", "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
@@ -122,62 +290,133 @@ USAGE = {"type": "object", "properties": {
         "drafted_per_position": {"type": "array", "items": {"type": "integer"}}}}}}
 
 
-def _errors(*codes: int) -> dict[str, Any]:
-    ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    text = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model",
-            408: "Body not received within --body-timeout",
-            413: "Prompt longer than the context", 415: "Content-Type is not application/json",
-            429: "Queue full, or too many requests in flight from this client (see Retry-After)",
-            500: "The engine failed on this request (other requests go on)",
-            503: "Shutting down"}
-    return {str(c): {"description": text[c], **ref} for c in codes}
+def _result(obj: str) -> dict[str, Any]:
+    return {"type": "object", "required": ["id", "object", "model", "choices", "usage"],
+            "properties": {"id": {"type": "string"}, "object": {"type": "string",
+                                                                 "enum": [obj]},
+                           "model": {"type": "string"}, "choices": {"type": "array"},
+                           "usage": {"$ref": "#/components/schemas/Usage"}}}
 
 
-def _post(summary: str, schema: str, ok: str) -> dict[str, Any]:
+LLAMA_RESULT = {"type": "object", "description": "llama.cpp's {content, stop, timings, ...}; "
+                "with response_fields, only those paths"}
+
+_ERRORS = {400: "Invalid request (the error's param names the field)",
+           401: "Missing or wrong API key", 403: "Not allowed from this client",
+           404: "Unknown model or resource", 408: "Body not received within --body-timeout",
+           409: "Conflicts with the resource's state",
+           413: "Body over the size limit, or prompt longer than the context",
+           415: "Content-Type is not application/json",
+           429: "Queue full, or too many requests in flight from this client (see Retry-After)",
+           500: "The engine failed on this request (other requests go on)",
+           503: "Shutting down (see Retry-After)"}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying",
+                                "schema": {"type": "integer"}}}
+
+
+def errors(*codes: int, text: dict[int, str] | None = None) -> dict[str, Any]:
+    """Responses for `codes`, each an OpenAI error object."""
+    out: dict[str, Any] = {}
+    for c in codes:
+        out[str(c)] = {"description": (text or {}).get(c, _ERRORS[c]), "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        if c in (429, 503):
+            out[str(c)]["headers"] = _RETRY_AFTER
+    return out
+
+
+SSE_EVENT = {"type": "object", "required": ["data"], "description": "One event",
+             "properties": {"data": {"type": "string", "description": "A JSON chunk (with "
+                                     "'error' if the engine failed), or [DONE]"}}}
+_CLIENT_CLOSED = {"499": {"description": "The client closed the connection before the response "
+                          "(nobody reads it; the body, if any, is an error object)"}}
+
+
+def _post(served: Served, summary: str, schema: str, ok: dict[str, Any]) -> dict[str, Any]:
+    codes = (400, 404, 408, 413, 415, 429, 500, 503) + ((401,) if served.auth else ())
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
-        "responses": {"200": {"description": ok, "content": {
-            "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}}}},
-            **_errors(400, 401, 404, 408, 413, 415, 429, 500, 503)}}}
+        "responses": {"200": {"description": "The result, or with stream: true server-sent "
+                              "events", "content": {
+                                  "application/json": {"schema": ok},
+                                  "text/event-stream": {"schema": SSE_EVENT}}},
+                      **errors(*sorted(codes)), **_CLIENT_CLOSED},
+        **_security(served)}}
 
 
-def _get(summary: str, media: str = "application/json", auth: bool = False) -> dict[str, Any]:
-    responses: dict[str, Any] = {"200": {"description": "OK", "content": {media: {
-        "schema": {"type": "string" if media.startswith("text") else "object"}}}}}
+def _security(served: Served) -> dict[str, Any]:
+    return {"security": [{"bearer": []}]} if served.auth else {}
+
+
+def _get(summary: str, schema: dict[str, Any], media: str = "application/json",
+         auth: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    responses: dict[str, Any] = {"200": {"description": "OK",
+                                         "content": {media: {"schema": schema}}}}
     if auth:
-        responses.update(_errors(401))
-    return {"get": {"summary": summary, "responses": responses}}
+        responses.update(errors(401))
+    responses.update(extra or {})
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
+    if auth:
+        op["security"] = [{"bearer": []}]
+    return {"get": op}
 
 
-def openapi_schema(model_name: str) -> dict[str, Any]:
+MODELS = {"type": "object", "required": ["object", "data"], "properties": {
+    "object": {"type": "string", "enum": ["list"]}, "data": {"type": "array", "items": {
+        "type": "object", "required": ["id", "object", "max_model_len"], "properties": {
+            "id": {"type": "string"}, "object": {"type": "string", "enum": ["model"]},
+            "created": {"type": "integer"}, "owned_by": {"type": "string"},
+            "max_model_len": {"type": "integer"}}}}}}
+HEALTH = {"type": "object", "required": ["status"], "properties": {
+    "status": {"type": "string", "enum": ["ok", "unavailable"]},
+    "running": {"type": "integer"}, "waiting": {"type": "integer"}}}
+METHOD_NOT_ALLOWED = {
+    "description": "A method the path does not take (HEAD goes with GET); Allow lists those "
+    "it takes", "headers": {"Allow": {"required": True, "schema": {"type": "string"}}},
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def openapi_schema(served: Served | str) -> dict[str, Any]:
+    if isinstance(served, str):
+        served = Served(served)
+    paths: dict[str, Any] = {
+        "/v1/completions": _post(served, "Text and fill-in-the-middle completion",
+                                 "Completion", _result("text_completion")),
+        "/v1/chat/completions": _post(served, "Chat completion", "ChatCompletion",
+                                      _result("chat.completion")),
+        "/infill": _post(served, "llama.cpp's code infill", "Infill", LLAMA_RESULT),
+        "/completion": _post(served, "llama.cpp's completion", "LlamaCompletion",
+                             LLAMA_RESULT),
+        "/v1/models": _get("The served model", MODELS, auth=served.auth),
+        "/health": _get("200 while serving, 503 while draining", HEALTH, extra={
+            "503": {"description": "Draining or failed to load",
+                    "content": {"application/json": {"schema": HEALTH}}}}),
+        "/metrics": _get("Prometheus metrics", {"type": "string"}, "text/plain"),
+        "/openapi.json": _get("This document", {"type": "object"}),
+    }
+    schemas: dict[str, Any] = {
+        "Completion": completion_schema(served), "ChatCompletion": chat_schema(served),
+        "Infill": infill_schema(served), "LlamaCompletion": llama_completion_schema(served),
+        "Error": ERROR, "Usage": USAGE}
+    if served.experiments:
+        paths.update(openapi_paths(served.auth))
+        schemas["Experiment"] = experiment_schema(speculative_schema(served, file_alias=True))
+    components: dict[str, Any] = {"schemas": schemas,
+                                  "responses": {"MethodNotAllowed": METHOD_NOT_ALLOWED}}
+    if served.auth:
+        components["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "dashboard_key": {"type": "apiKey", "in": "query", "name": "key"}}
     return {
         "openapi": "3.0.3",
         "info": {"title": "specdec", "version": "0.1.0",
-                 "description": f"OpenAI-compatible server for {model_name} with speculative "
-                 "decoding. Authenticate with 'Authorization: Bearer <key>' when the server "
-                 "was started with --api-key."},
-        "paths": {
-            "/v1/completions": _post("Text and fill-in-the-middle completion", "Completion",
-                                     "text_completion object or chunks"),
-            "/v1/chat/completions": _post("Chat completion", "ChatCompletion",
-                                          "chat.completion object or chunks"),
-            "/infill": _post("llama.cpp's code infill", "Infill",
-                             "llama.cpp's {content, stop, timings, ...}"),
-            "/completion": _post("llama.cpp's completion", "LlamaCompletion",
-                                 "llama.cpp's {content, stop, timings, ...}"),
-            "/v1/models": _get("The served model", auth=True),
-            "/health": _get("200 while serving, 503 while draining"),
-            "/metrics": _get("Prometheus metrics", "text/plain"),
-            "/openapi.json": _get("This document"),
-            **openapi_paths(),
-        },
-        "components": {
-            "schemas": {"Completion": COMPLETION, "ChatCompletion": CHAT, "Infill": INFILL,
-                        "LlamaCompletion": LLAMA_COMPLETION,
-                        "Error": ERROR, "Usage": USAGE, "Experiment": EXPERIMENT_SCHEMA},
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
+                 "description": f"OpenAI-compatible server for {served.model_name} with "
+                 "speculative decoding. "
+                 + ("Authenticate with 'Authorization: Bearer <key>'. " if served.auth else "")
+                 + "A Host header the server does not take is a 400 on every path; a method a "
+                 "path does not take is a 405 (components.responses.MethodNotAllowed)."},
+        "paths": paths,
+        "components": components,
     }

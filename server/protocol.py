@@ -193,7 +193,8 @@ def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> Sa
 
 
 def _stop_token_ids(body: dict[str, Any]) -> list[int]:
-    ids = read_token_ids(body.get("stop_token_ids") or [], "stop_token_ids")
+    v = body.get("stop_token_ids")
+    ids = [] if v is None else read_token_ids(v, "stop_token_ids")
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise invalid("stop_token_ids", f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS}")
     return ids  # their range is checked against the vocabulary with the prompt
@@ -208,9 +209,10 @@ def read_token_ids(v: Any, param: str) -> list[int]:
 
 def _max_tokens(body: dict[str, Any], default: int | None,
                 names: tuple[str, ...] = ("max_tokens",)) -> tuple[int, bool]:
-    for name in names:
-        if body.get(name) is not None:
-            return read_num(body, name, None, 1, None, integer=True), True
+    given = [read_num(body, name, None, 1, None, integer=True) for name in names
+             if body.get(name) is not None]  # each checked; the first named wins
+    if given:
+        return given[0], True
     # A placeholder until the prompt length is known: PromptBuilder.fit sets the real value.
     return default or UNSET_MAX_TOKENS, False
 
@@ -240,6 +242,8 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     elif not isinstance(prompt, str):
         raise invalid("prompt", "'prompt' must be a string or a list of token ids")
     suffix = read_str(body, "suffix")
+    if prompt == "" and suffix is None:
+        raise invalid("prompt", "'prompt' must not be empty (without a 'suffix')")
     if suffix is not None and not isinstance(prompt, str):
         raise invalid("suffix", "'suffix' needs a string 'prompt'")
     logprobs = read_num(body, "logprobs", None, 0, 20, integer=True)
@@ -293,6 +297,9 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     elif not isinstance(content, str):
         raise invalid(f"{param}.content", f"'{param}.content' must be a string or a list")
     out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
-    if isinstance(m.get("name"), str):
-        out["name"] = m["name"]
+    name = m.get("name")
+    if name is not None and not isinstance(name, str):
+        raise invalid(f"{param}.name", f"'{param}.name' must be a string")
+    if name is not None:
+        out["name"] = name
     return out

@@ -47,6 +47,7 @@ class Serving:
         self.draft_models = dict(draft_models or {})
         if default:
             self.draft_models.setdefault(str(default), str(default))
+        self.default_draft_model = bool(default)
         self.eagle_heads = dict(eagle_heads or {})
         self.model_name = model_name
         self.builder = PromptBuilder(engine.engine.tokenizer, max_model_len,
