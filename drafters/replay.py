@@ -117,7 +117,7 @@ class ReplayDrafter(Drafter):
         sizes = [max(target_vocab.values()) + 1] if target_vocab else []
         embed = getattr(getattr(target_model, "model", None), "embed_tokens", None)
         if embed is not None:
-            sizes.append(int(embed.weight.shape[0]))
+            sizes.append(int(embed.num_embeddings))
         self._vocab = min(sizes) if sizes else None
         self._cursors: dict[str, _Cursor] = {}
         self._tables: dict[str, torch.Tensor] = {}  # per request: its position table

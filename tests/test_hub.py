@@ -281,3 +281,33 @@ def test_pull_smollm2_real_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     n_head = config["num_attention_heads"]
     unpermuted = raw.reshape(n_head, 576 // n_head // 2, 2, 576).swapaxes(1, 2).reshape(576, 576)
     torch.testing.assert_close(q, torch.from_numpy(np.ascontiguousarray(unpermuted)))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0"])
+def test_file_embedding_reads_the_files_rows(tmp_path: Path, qtype: str) -> None:
+    """A quantized load embeds straight from the GGUF rows (no converted table): the rows asked
+    for, dequantized as the file defines them, in the ids' shape."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+
+    from specdec.models.gguf_weights import FileEmbedding, read_gguf
+
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    table = (torch.randn(300, 64, generator=torch.Generator().manual_seed(0))).numpy()
+    raw = table if qtype == "F32" else quantize(table, t)
+    path = tmp_path / "embed.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", raw, raw_dtype=None if qtype == "F32" else t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    emb = FileEmbedding(path, read_gguf(path)["model.embed_tokens.weight"])
+    assert (emb.num_embeddings, emb.embedding_dim) == (300, 64)
+    ids = torch.tensor([[299, 0, 7], [7, 150, 1]])
+    want = torch.from_numpy(dequantize(raw, t).reshape(300, 64))[ids]
+    got = emb(ids)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 64)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if qtype != "F32":
+        assert not torch.equal(got, torch.from_numpy(table)[ids])  # the file's values, not ours

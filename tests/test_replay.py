@@ -127,8 +127,7 @@ def test_guesses_stay_inside_the_model_vocabulary():
 
     import torch
 
-    model = SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(
-        weight=torch.empty(50, 1))))
+    model = SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding(50, 1)))
     d = replay.ReplayDrafter(target_vocab={f"t{i}": i for i in range(51)}, target_model=model)
     opts = {"corrupt_rate": 1.0, "branches": 3}
     req = DraftRequest(request_id="v", tokens=[1, 2, 3], max_nodes=24, k=8, options=opts)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from specdec.models.quant_linear import GROUP, QuantWeight
 
@@ -122,6 +123,13 @@ class GGUFTensor:
         self.shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # [N, K] / [K]
         self._t = t
 
+    def rows_of(self, path: Path) -> np.ndarray:
+        """The tensor's raw rows [N, row bytes], mapped from `path` on their own (not through the
+        reader's mapping of the whole file, whose pages a load touched)."""
+        t = self._t
+        raw = np.memmap(path, np.uint8, "r", offset=int(t.data_offset), shape=(int(t.n_bytes),))
+        return raw.reshape(self.shape[0], -1)
+
     def dequantize(self) -> torch.Tensor:
         from gguf.quants import dequantize
 
@@ -163,6 +171,26 @@ class GGUFTensor:
 _ROWS = 8192  # rows converted at a time
 
 
+class FileEmbedding(nn.Module):
+    """Token embedding read from the GGUF file: a lookup dequantizes the rows asked for from the
+    file's own blocks, as llama.cpp's get_rows does, so the table is neither converted at load
+    nor resident beyond the pages of the tokens used (a 151936 x 1536 Q4_K table is 131 MB).
+    For files whose output layer is a tensor of its own; a tied table is the output layer's."""
+
+    def __init__(self, path: Path, tensor: GGUFTensor) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = tensor.shape
+        self._rows = tensor.rows_of(path)
+        self._qtype = tensor._t.tensor_type
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden] float32
+        from gguf.quants import dequantize
+
+        flat = ids.reshape(-1).cpu().numpy()
+        out = dequantize(self._rows[flat], self._qtype).astype(np.float32, copy=False)
+        return torch.from_numpy(out).view(*ids.shape, self.embedding_dim)
+
+
 def read_gguf(path: Path) -> dict[str, GGUFTensor]:
     """HF-named tensors of a GGUF file (unknown names, e.g. rope tables, are skipped)."""
     from gguf import GGUFReader
@@ -176,16 +204,20 @@ def read_gguf(path: Path) -> dict[str, GGUFTensor]:
     return out
 
 
-def load_tensors(path: Path, hf: dict[str, Any], quantization: str
-                 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+def load_tensors(path: Path, hf: dict[str, Any], quantization: str, lazy: tuple[str, ...] = ()
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight | GGUFTensor]]:
     """(HF name, weight) for every tensor: QuantWeight for 2-D weights unless quantization is
-    "none" (then float32), float32 for norms and biases. Llama q/k rows are un-permuted."""
+    "none" (then float32), float32 for norms and biases; the tensors named in `lazy` as their
+    GGUFTensor, unconverted. Llama q/k rows are un-permuted."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     llama = hf.get("model_type") == "llama" or "LlamaForCausalLM" in (hf.get("architectures") or [])
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     for name, t in read_gguf(path).items():
+        if name in lazy:
+            yield name, t
+            continue
         keep = quantization != "none" and len(t.shape) == 2 and t.shape[1] % GROUP == 0
         w: torch.Tensor | QuantWeight = t.quantized(quantization) if keep else t.dequantize()
         if llama and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):

@@ -1,9 +1,10 @@
 """Fill an unloaded LlamaForCausalLM from a GGUF file with its weights kept quantized.
 
 Each linear layer becomes a QuantLinear (q, k and v in one layer, gate and up in another, as the
-float model fuses them), the embedding a QuantEmbedding, and the output layer a QuantLinear over
-`output.weight` (or over the embedding's table when the file ties them). Norms and biases are
-float32. No float copy of a quantized weight is ever made.
+float model fuses them), the output layer a QuantLinear over `output.weight` (or over the
+embedding's table when the file ties them), and the embedding a FileEmbedding reading the file's
+rows (a QuantEmbedding over that table when tied). Norms and biases are float32. No float copy
+of a quantized weight is ever made.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 from torch import nn
 
 from specdec.models.cpu_layers import CpuLayers
-from specdec.models.gguf_weights import load_tensors
+from specdec.models.gguf_weights import FileEmbedding, GGUFTensor, load_tensors
 from specdec.models.llama import LlamaForCausalLM
-from specdec.models.quant_linear import QuantEmbedding, QuantLinear, QuantWeight
+from specdec.models.quant_linear import GROUP, QuantEmbedding, QuantLinear, QuantWeight
 
 _PARTS = {  # our fused layer -> its HF parts, in output order
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -51,8 +52,12 @@ def _linear(weights: dict[str, QuantWeight | torch.Tensor], biases: dict[str, to
 def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str,
                    cpu_kernel: str = "auto") -> LlamaForCausalLM:
     weights: dict[str, QuantWeight | torch.Tensor] = {}
-    for name, w in load_tensors(gguf, model.hf, quantization):
-        weights[name] = w
+    table: GGUFTensor | None = None  # the embedding, converted only if the output layer is it
+    for name, w in load_tensors(gguf, model.hf, quantization, lazy=("model.embed_tokens.weight",)):
+        if isinstance(w, GGUFTensor):
+            table = w
+        else:
+            weights[name] = w
     biases = {k: weights.pop(k) for k in list(weights) if k.endswith(".bias")}
     for i in range(len(model.model.layers)):
         for ours, theirs in _PARTS.items():
@@ -60,16 +65,18 @@ def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str,
             layer = _linear(weights, biases, tuple(prefix + t for t in theirs), str(gguf),
                             cpu_kernel)
             _set(model, prefix + ours, layer)
-    embed = weights.pop("model.embed_tokens.weight", None)
-    if embed is None:
+    if table is None:
         raise ValueError(f"{gguf} has no token_embd.weight")
     vocab = int(model.hf["vocab_size"])
-    model.model.embed_tokens = (QuantEmbedding(embed, vocab) if isinstance(embed, QuantWeight)
-                                else nn.Embedding.from_pretrained(embed, freeze=True))
     head = weights.pop("lm_head.weight", None)
+    model.tie_word_embeddings = head is None
     if head is None:  # tied: the output layer reads the embedding's table
-        head = embed
-    model.tie_word_embeddings = head is embed
+        embed = head = (table.quantized(quantization) if table.shape[1] % GROUP == 0
+                        else table.dequantize())
+        model.model.embed_tokens = (QuantEmbedding(embed, vocab) if isinstance(embed, QuantWeight)
+                                    else nn.Embedding.from_pretrained(embed, freeze=True))
+    else:
+        model.model.embed_tokens = FileEmbedding(gguf, table)
     model.lm_head = (QuantLinear([head], None, cpu_kernel, vocab) if isinstance(head, QuantWeight)
                      else _float_linear(head))
     # What is left (norms, q/k norms) are float parameters still to fill.
