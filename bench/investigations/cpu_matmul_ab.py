@@ -1,0 +1,71 @@
+"""A/B of builds of specdec/cpu_kernels/quant_matmul.c in one process: each variant compiled
+with the AVX-512 flags, then timed alternately on the 1.5b preset's matmul shapes (q4 and q8,
+17920 x 1536 and 1536 x 8960, several weight copies so they stream from memory), fastest of 12
+passes per row count, 2 threads.
+
+    git show 9084426~1:specdec/cpu_kernels/quant_matmul.c > /tmp/old.c
+    python bench/investigations/cpu_matmul_ab.py old,/tmp/old.c \
+        new,specdec/cpu_kernels/quant_matmul.c
+A variant is NAME,SOURCE[,extra compiler flags...].
+"""
+
+import ctypes
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.cpu_kernels import build
+
+ROWS = (1, 2, 3, 4, 5, 8)
+FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", *build._FLAGS["avx512"]]
+LAYER_STEP = Path(build.__file__).with_name("layer_step.c")
+
+
+def make(name: str, src: str, extra: list[str]) -> ctypes.CDLL:
+    out = f"/tmp/matmul_ab_{name}.so"
+    subprocess.run([build._compiler(), *FLAGS, *extra, src, str(LAYER_STEP), "-o", out, "-lm"],
+                   check=True)
+    return build._argtypes(ctypes.CDLL(out))
+
+
+def bench(variants: dict[str, ctypes.CDLL], kind: int, n: int, k: int, copies: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    units, ub = (n // 16) * (k // 32), 256 if kind == 4 else 512
+    ws = [(torch.randint(0, 256 if kind == 4 else 127, (units * ub,), dtype=torch.uint8,
+                         generator=gen), (torch.rand(units * 16, generator=gen) * 0.01).half())
+          for _ in range(copies)]
+    xs = {r: (torch.randint(-127, 128, (r, k), dtype=torch.int8, generator=gen),
+              torch.rand(r, k // 32), torch.rand(r, k // 32), torch.empty(r, n)) for r in ROWS}
+    best = {(v, r): float("inf") for v in variants for r in ROWS}
+    for _ in range(12):
+        for v, lib in variants.items():
+            fn = lib.sd_q4_matmul if kind == 4 else lib.sd_q8_matmul
+            for r in ROWS:
+                xq, xd, xs_, y = xs[r]
+                t = time.perf_counter()
+                for qs, d in ws:
+                    fn(xq.data_ptr(), xd.data_ptr(), xs_.data_ptr(), r, k, qs.data_ptr(),
+                       d.data_ptr(), d.data_ptr(), None, n, y.data_ptr(), n, 1)
+                best[v, r] = min(best[v, r], (time.perf_counter() - t) / copies)
+    for v in variants:
+        print(f"{v:8s} q{kind} {n}x{k} ms by rows: "
+              + " ".join(f"{r}:{best[v, r] * 1e3:.3f}" for r in ROWS))
+
+
+def main() -> None:
+    variants = {}
+    for spec in sys.argv[1:]:
+        name, src, *extra = spec.split(",")
+        variants[name] = make(name, src, extra)
+    torch.set_num_threads(2)
+    bench(variants, 4, 17920, 1536, 3)
+    bench(variants, 8, 17920, 1536, 2)
+    bench(variants, 4, 1536, 8960, 6)
+    bench(variants, 8, 1536, 8960, 3)
+
+
+if __name__ == "__main__":
+    main()
