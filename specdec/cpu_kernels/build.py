@@ -142,10 +142,12 @@ def _bucket(rows: int) -> int:
     return min(16, 1 << max(0, (rows - 1).bit_length()))
 
 
-def _time_path(path: str, rows: int) -> float:
+def _time_paths(paths: list[str], rows: int, rounds: int = 5) -> dict[str, float]:
     """Seconds for `rows` activation rows through 24 random q4 layers of a decode size (2048 x
-    1536; 24 copies overflow the last-level cache). Any bytes are valid q4 values."""
-    lib, code = library(path), PATHS[path]
+    1536; 24 copies overflow the last-level cache), per path: the fastest of `rounds` passes,
+    the paths taking turns within each round, so that a burst of other work on the machine (a
+    second server loading) cannot make one path look faster than it is. Any bytes are valid q4
+    values."""
     gen = torch.Generator().manual_seed(0)
     n, k = 2048, 1536
     units = (n // 16) * (k // 32)
@@ -155,17 +157,20 @@ def _time_path(path: str, rows: int) -> float:
     xd, xs = torch.rand(rows, k // 32, generator=gen), torch.rand(rows, k // 32, generator=gen)
     y = torch.empty(rows, n)
 
-    def run(qs: torch.Tensor, d: torch.Tensor) -> None:
-        lib.sd_q4_matmul(xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), rows, k, qs.data_ptr(),
-                         d.data_ptr(), d.data_ptr(), None, n, y.data_ptr(), n, code)
+    def run(path: str, qs: torch.Tensor, d: torch.Tensor) -> None:
+        library(path).sd_q4_matmul(xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), rows, k,
+                                   qs.data_ptr(), d.data_ptr(), d.data_ptr(), None, n,
+                                   y.data_ptr(), n, PATHS[path])
 
-    run(*ws[0])
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for w in ws:
-            run(*w)
-        best = min(best, time.perf_counter() - t)
+    best = dict.fromkeys(paths, float("inf"))
+    for p in paths:
+        run(p, *ws[0])
+    for _ in range(rounds):
+        for p in paths:
+            t = time.perf_counter()
+            for w in ws:
+                run(p, *w)
+            best[p] = min(best[p], time.perf_counter() - t)
     return best
 
 
@@ -181,7 +186,7 @@ def choose_path(rows: int) -> str:
         if not paths:
             raise KernelUnavailable("no CPU kernel build is usable here (is a C compiler "
                                     "installed?)")
-        times = {p: _time_path(p, bucket) for p in paths} if len(paths) > 1 else {paths[0]: 0}
+        times = _time_paths(paths, bucket) if len(paths) > 1 else {paths[0]: 0.0}
         _CHOSEN[bucket] = min(times, key=times.__getitem__)
     return _CHOSEN[bucket]
 

@@ -9,6 +9,7 @@ of a quantized weight is ever made.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ from specdec.models.cpu_layers import CpuLayers
 from specdec.models.gguf_weights import FileEmbedding, GGUFTensor, load_tensors
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.quant_linear import GROUP, QuantEmbedding, QuantLinear, QuantWeight
+
+log = logging.getLogger(__name__)
 
 _PARTS = {  # our fused layer -> its HF parts, in output order
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -91,10 +94,11 @@ def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str,
     if biases:
         raise ValueError(f"GGUF biases with no layer: {sorted(biases)[:8]}")
     if cpu_kernel == "auto":  # time the kernel paths now, not inside the first steps
-        from specdec.cpu_kernels.build import choose_path
+        from specdec.cpu_kernels.build import choices, choose_path
 
         for rows in (1, 2, 4, 8, 16):
             choose_path(rows)
+        log.info("cpu kernel path by activation rows (timed): %s", choices())
     model.cpu_layers = CpuLayers.of(model, cpu_kernel)
     return model
 
