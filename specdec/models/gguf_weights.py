@@ -119,6 +119,7 @@ class GGUFTensor:
 
     def __init__(self, t: Any) -> None:
         self.name = t.name
+        self.ggml_type = t.tensor_type  # gguf.GGMLQuantizationType
         self.qtype = t.tensor_type.name
         self.shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # [N, K] / [K]
         self._t = t
@@ -135,6 +136,12 @@ class GGUFTensor:
 
         arr = dequantize(np.array(self._t.data), self._t.tensor_type)
         return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).view(self.shape)
+
+    def converted(self, quantization: str) -> torch.Tensor | QuantWeight:
+        """A QuantWeight where the tensor can stay quantized (2-D, rows a multiple of 32 long,
+        quantization not "none"), float32 otherwise."""
+        keep = quantization != "none" and len(self.shape) == 2 and self.shape[1] % GROUP == 0
+        return self.quantized(quantization) if keep else self.dequantize()
 
     def quantized(self, quantization: str) -> QuantWeight:
         """The tensor as a QuantWeight, converted a slice of rows at a time (a 150k-row output
@@ -181,13 +188,13 @@ class FileEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = tensor.shape
         self._rows = tensor.rows_of(path)
-        self._qtype = tensor._t.tensor_type
+        self._type = tensor.ggml_type
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden] float32
         from gguf.quants import dequantize
 
         flat = ids.reshape(-1).cpu().numpy()
-        out = dequantize(self._rows[flat], self._qtype).astype(np.float32, copy=False)
+        out = dequantize(self._rows[flat], self._type).astype(np.float32, copy=False)
         return torch.from_numpy(out).view(*ids.shape, self.embedding_dim)
 
 
@@ -218,8 +225,7 @@ def load_tensors(path: Path, hf: dict[str, Any], quantization: str, lazy: tuple[
         if name in lazy:
             yield name, t
             continue
-        keep = quantization != "none" and len(t.shape) == 2 and t.shape[1] % GROUP == 0
-        w: torch.Tensor | QuantWeight = t.quantized(quantization) if keep else t.dequantize()
+        w = t.converted(quantization)
         if llama and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             h = heads if "q_proj" in name else kv_heads
             if isinstance(w, QuantWeight):  # re-packed in the un-permuted row order

@@ -18,7 +18,7 @@ from torch import nn
 from specdec.models.cpu_layers import CpuLayers
 from specdec.models.gguf_weights import FileEmbedding, GGUFTensor, load_tensors
 from specdec.models.llama import LlamaForCausalLM
-from specdec.models.quant_linear import GROUP, QuantEmbedding, QuantLinear, QuantWeight
+from specdec.models.quant_linear import QuantEmbedding, QuantLinear, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,7 @@ def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str,
     head = weights.pop("lm_head.weight", None)
     model.tie_word_embeddings = head is None
     if head is None:  # tied: the output layer reads the embedding's table
-        embed = head = (table.quantized(quantization) if table.shape[1] % GROUP == 0
-                        else table.dequantize())
+        embed = head = table.converted(quantization)
         model.model.embed_tokens = (QuantEmbedding(embed, vocab) if isinstance(embed, QuantWeight)
                                     else nn.Embedding.from_pretrained(embed, freeze=True))
     else:
