@@ -3,8 +3,10 @@ by batch size and draft depth. The speculation controller (specdec/spec_control.
 with it.
 
 The pass curve is measured at start (`calibrate`: one eager pass per size of a grid of row
-counts, the fastest of a few) and cached per machine, model, dtype, quantization and thread
-count, so only the first start on a machine pays for it. Real steps then refine it online.
+counts, the fastest of a few) and cached per machine, model, dtype, quantization, thread count
+and the code that runs the pass (`code_digest`: a kernel made faster must not be planned with
+its old costs), so only the first start on a machine pays for it. Real steps then refine it
+online.
 
 A real step's cost is the median of its recent measurements (WINDOW per row count; an older one
 is forgotten), a drafter's too: robust to a few steps slowed by another process, and with
@@ -19,6 +21,7 @@ a smaller one).
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import os
@@ -178,6 +181,20 @@ def cache_file(root: Path, **key: object) -> Path:
     """Where a pass curve measured under `key` (machine, model, dtype, ...) is kept."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     return root / f"pass_{digest[:16]}.json"
+
+
+@functools.cache
+def code_digest() -> str:
+    """A digest of the source that runs a pass (the engine, the models and the CPU and GPU
+    kernels: every .py and .c file of the specdec and verify_kernels packages)."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for pkg in (root, root.parent / "verify_kernels"):
+        for f in sorted(pkg.rglob("*")):
+            if f.suffix in (".py", ".c") and f.is_file():
+                h.update(f.relative_to(pkg).as_posix().encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def machine_name() -> str:

@@ -222,7 +222,7 @@ class LLMEngine:
         """Measure the target pass by query rows, which the speculation controller plans with
         (specdec/cost_model.py), or load it from the cache of an earlier start on this
         machine; the server calls this before it reports ready."""
-        from specdec.cost_model import cache_file, machine_name
+        from specdec.cost_model import cache_file, code_digest, machine_name
         from specdec.hub.resolve import cache_root
 
         ctx, bs = 256, self.blocks.block_size
@@ -246,7 +246,8 @@ class LLMEngine:
         where = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else machine_name())
         cache = cache_file(cache_root() / "costs", machine=where, model=mc.model, dtype=mc.dtype,
                            quantization=mc.quantization, kernel=mc.cpu_kernel,
-                           threads=torch.get_num_threads(), rows=rows, version=1)
+                           threads=torch.get_num_threads(), rows=rows, code=code_digest(),
+                           version=2)
         return self.drafting.controller.costs.calibrate(run_pass, rows, cache)
 
     def abort_request(self, request_id: str) -> None:
