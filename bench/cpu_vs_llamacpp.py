@@ -1,11 +1,13 @@
 """specdec against llama.cpp on the CPU, side by side, on the same GGUF files.
 
-Servers run side by side, each idle while another is timed: llama.cpp's `llama-server` on the
-target alone, `llama-server` with the draft model (`-md DRAFT --draft-max 8`), and `specdec
-serve` with its defaults (plain requests send `"speculative": {"method": "none"}`; speculative
-ones send nothing, so they measure the default configuration). Every request is greedy, streams,
-and is forced to `--tokens` new tokens (`ignore_eos`; llama.cpp also gets a -inf `logit_bias` on
-the tokenizer's added tokens, since its `ignore_eos` spares only EOS and it would stop at the
+Servers start one at a time (each ready before the next starts, so that none measures the
+machine while another loads) and run side by side, each idle while another is timed:
+llama.cpp's `llama-server` on the target alone, `llama-server` with the draft model (`-md DRAFT
+--draft-max 8`), and `specdec serve` with its defaults (plain requests send `"speculative":
+{"method": "none"}`; speculative ones send nothing, so they measure the default
+configuration). Every request is greedy, streams, and is forced to `--tokens` new tokens
+(`ignore_eos`; llama.cpp also gets a -inf `logit_bias` on the tokenizer's added tokens, since
+its `ignore_eos` spares only EOS and it would stop at the
 other end-of-generation tokens); the engines take turns prompt by prompt.
 Decode tok/s is measured the same way for every engine, at the client: (tokens - 1) over the
 time from the first streamed token to the last. TTFT is the time to the first token. RSS is each
@@ -139,31 +141,36 @@ def main() -> None:
     logs = Path(a.out).with_suffix(".servers.log").open("w")
     try:
         common = ["-t", str(a.threads), "-c", "4096", "-np", "1", "--no-webui"]
-        if "llama_plain" in engines:
-            servers["llama_plain"] = (subprocess.Popen(
-                [str(PEER), "llama-server", "-m", str(tgt), "--port", "8091", *common],
-                stdout=logs, stderr=logs, env=env), "http://127.0.0.1:8091")
-        if "llama_spec" in engines:
-            servers["llama_spec"] = (subprocess.Popen(
-                [str(PEER), "llama-server", "-m", str(tgt), "-md", str(dft), "--draft-max",
-                 str(a.draft_max), "--port", "8092", *common],
-                stdout=logs, stderr=logs, env=env), "http://127.0.0.1:8092")
-        if any(e.startswith("specdec") for e in engines):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "specdec.cli", "serve", "--model", a.target, "--port",
-                 "8093", *a.specdec_args.split()], stdout=logs, stderr=logs, env=env)
-            for e in ("specdec_plain", "specdec_spec"):
-                servers[e] = (proc, "http://127.0.0.1:8093")
-        if "specdec_plain_only" in engines:  # no draft model loaded: RSS against llama_plain
-            servers["specdec_plain_only"] = (subprocess.Popen(
-                [sys.executable, "-m", "specdec.cli", "serve", "--model", a.target, "--port",
-                 "8094", "--speculative", "none", *a.specdec_args.split()], stdout=logs,
-                stderr=logs, env=env), "http://127.0.0.1:8094")
-        t_start = {}
-        for name, (proc, url) in servers.items():
+        t_start: dict[str, float] = {}
+
+        def start(names: list[str], cmd: list[str], url: str) -> None:
+            # One server at a time, each ready before the next starts: a server's start-up
+            # measures this machine (kernel paths, step costs), which another loading would
+            # skew.
             t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, stdout=logs, stderr=logs, env=env)
+            for name in names:
+                servers[name] = (proc, url)
             _wait_ready(url, proc, 1800)
-            t_start[name] = time.monotonic() - t0
+            for name in names:
+                t_start[name] = time.monotonic() - t0
+
+        if "llama_plain" in engines:
+            start(["llama_plain"], [str(PEER), "llama-server", "-m", str(tgt), "--port", "8091",
+                                    *common], "http://127.0.0.1:8091")
+        if "llama_spec" in engines:
+            start(["llama_spec"], [str(PEER), "llama-server", "-m", str(tgt), "-md", str(dft),
+                                   "--draft-max", str(a.draft_max), "--port", "8092", *common],
+                  "http://127.0.0.1:8092")
+        if any(e in engines for e in ("specdec_plain", "specdec_spec")):
+            start(["specdec_plain", "specdec_spec"],
+                  [sys.executable, "-m", "specdec.cli", "serve", "--model", a.target, "--port",
+                   "8093", *a.specdec_args.split()], "http://127.0.0.1:8093")
+        if "specdec_plain_only" in engines:  # no draft model loaded: RSS against llama_plain
+            start(["specdec_plain_only"],
+                  [sys.executable, "-m", "specdec.cli", "serve", "--model", a.target, "--port",
+                   "8094", "--speculative", "none", *a.specdec_args.split()],
+                  "http://127.0.0.1:8094")
         texts = (humaneval_texts if a.dataset == "humaneval" else sharegpt_texts)(a.prompts)
         results: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
         # One short warm-up request each (first-use costs: kernel choice, page faults).
