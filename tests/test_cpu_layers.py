@@ -87,9 +87,10 @@ def test_c_layers_match_the_module_path(arch: str, path: str) -> None:
         got = _run(model, backend, _segments())
     for r, g in zip(ref, got):
         # The same quantized matmuls; norms, rotary and silu round differently, and a last-bit
-        # difference can move an int8 activation by one step: close, not equal.
-        torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-3)
-        assert (g - r).abs().mean() < 1e-5
+        # difference can move an int8 activation by one step (one seed in five or six here),
+        # which moves the later layers' outputs by up to 1% of their norm: close, not equal. A
+        # wrong rotary, head or norm moves them by tens of percent.
+        assert float((g - r).norm() / r.norm()) < 3e-2
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it() -> None:

@@ -374,13 +374,114 @@ void sd_q8_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M,
  */
 #define LANES 16
 
+#define KV_AHEAD 16  /* keys or values prefetched ahead of use */
+
+static inline void prefetch_row(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
+/* q . k in a fixed order: 16 lanes, lane l summing elements l, l + 16, .. by fused multiply-adds,
+ * then the lanes added pairwise (l + 8, l + 4, l + 2, l + 1), which is what
+ * _mm512_reduce_add_ps does: both builds give the same bits. */
 static inline float dot_fixed(const float *a, const float *b, int64_t D) {
-    float acc[LANES] = {0};
-    for (int64_t d = 0; d < D; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[d + l] * b[d + l];
+#ifdef SD_AVX512
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+    for (int64_t d = LANES; d < D; d += LANES)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    return _mm512_reduce_add_ps(acc);
+#else
+    float acc[LANES];
+    for (int l = 0; l < LANES; l++) acc[l] = a[l] * b[l];
+    for (int64_t d = LANES; d < D; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[d + l], b[d + l], acc[l]);
     for (int w = LANES / 2; w > 0; w /= 2)
         for (int l = 0; l < w; l++) acc[l] += acc[l + w];
     return acc[0];
+#endif
+}
+
+/* e^x for x <= 0 (a softmax's shifted scores): x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes'
+ * degree-6 polynomial, times 2^n built in the exponent bits; within 2 ulp of expf. Plain
+ * arithmetic with explicit fused multiply-adds, so the compiler vectorises the loops below and
+ * both builds give the same bits. */
+static inline float exp_nonpositive(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    /* n = x / ln2 rounded to nearest by the 1.5 * 2^23 trick (vectorises where rintf may not) */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* s[0, S) <- softmax(s), in a fixed order: the maximum and the sum over 16 lanes (lane l takes
+ * elements l, l + 16, ..), the lanes then combined pairwise as in dot_fixed. */
+static void softmax_fixed(float *s, int64_t S) {
+    float lane[LANES];
+    for (int l = 0; l < LANES; l++) lane[l] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= S; i += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] = s[i + l] > lane[l] ? s[i + l] : lane[l];
+    for (int l = 0; i + l < S; l++) lane[l] = s[i + l] > lane[l] ? s[i + l] : lane[l];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] = lane[l + w] > lane[l] ? lane[l + w] : lane[l];
+    const float m = lane[0];
+    for (int64_t k = 0; k < S; k++) s[k] = exp_nonpositive(s[k] - m);
+    for (int l = 0; l < LANES; l++) lane[l] = 0.0f;
+    for (i = 0; i + LANES <= S; i += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += s[i + l];
+    for (int l = 0; i + l < S; l++) lane[l] += s[i + l];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+    const float inv = 1.0f / lane[0];
+    for (int64_t k = 0; k < S; k++) s[k] *= inv;
+}
+
+/* o[0, D) = sum over i of p[i] * v_i, i in order, each element a chain of fused multiply-adds
+ * (the first a plain product); v_i = vc + slots[i] * stride. */
+static void weighted_sum(const float *p, const int64_t *slots, int64_t S, const float *vc,
+                         int64_t stride, int64_t D, float *o) {
+#ifdef SD_AVX512
+    for (int64_t c0 = 0; c0 < D; c0 += 8 * LANES) {  /* up to 8 vectors held in registers */
+        const int nv = (int)((D - c0 < 8 * LANES ? D - c0 : 8 * LANES) / LANES);
+        __m512 acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < S; i++) {
+            if (i + KV_AHEAD < S) prefetch_row(vc + slots[i + KV_AHEAD] * stride + c0, nv * LANES);
+            const float *v = vc + slots[i] * stride + c0;
+            const __m512 pi = _mm512_set1_ps(p[i]);
+            if (i == 0) {
+                for (int c = 0; c < nv; c++)
+                    acc[c] = _mm512_mul_ps(pi, _mm512_loadu_ps(v + c * LANES));
+            } else {
+                for (int c = 0; c < nv; c++)
+                    acc[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + c * LANES), acc[c]);
+            }
+        }
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + c0 + c * LANES, acc[c]);
+    }
+#else
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    for (int64_t i = 0; i < S; i++) {
+        if (i + KV_AHEAD < S) prefetch_row(vc + slots[i + KV_AHEAD] * stride, D);
+        const float *v = vc + slots[i] * stride;
+        const float pi = p[i];
+        if (i == 0) {
+            for (int64_t d = 0; d < D; d++) o[d] = pi * v[d];
+        } else {
+            for (int64_t d = 0; d < D; d++) o[d] = fmaf(pi, v[d], o[d]);
+        }
+    }
+#endif
 }
 
 void sd_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *kc,
@@ -393,37 +494,28 @@ void sd_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
         const int64_t r = task / Hkv, h = task % Hkv;
         const int32_t *table = block_tables + (int64_t)row_seq[r] * bt_stride;
         const int64_t np = row_prefix[r], ne = extra_ptr[r + 1] - extra_ptr[r];
-        const int64_t S = np + ne;
-        float *s = (float *)malloc(sizeof(float) * (size_t)(S * g > 0 ? S * g : 1));
+        const int64_t S = np + ne, n = S > 0 ? S : 1;
+        /* The row's cache slots in order, then its scores, one row of S per query head. */
+        int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
+        float *s = (float *)malloc(sizeof(float) * (size_t)(n * g));
+        for (int64_t b = 0, i = 0; i < np; b++) {
+            const int64_t base = (int64_t)table[b] * bs;
+            for (int64_t t = 0; t < bs && i < np; t++, i++) slots[i] = base + t;
+        }
+        for (int64_t e = 0; e < ne; e++) slots[np + e] = extra_slots[extra_ptr[r] + e];
         const float *qh = q + (r * Hq + h * g) * D;
         for (int64_t i = 0; i < S; i++) {
-            const int64_t slot = i < np ? (int64_t)table[i / bs] * bs + i % bs
-                                        : extra_slots[extra_ptr[r] + i - np];
-            const float *kp = kc + (slot * Hkv + h) * D;
+            /* Keys sit in blocks scattered over the cache, mostly out of every cache level: ask
+             * for the row KV_AHEAD keys on before it is needed. */
+            if (i + KV_AHEAD < S) prefetch_row(kc + (slots[i + KV_AHEAD] * Hkv + h) * D, D);
+            const float *kp = kc + (slots[i] * Hkv + h) * D;
             for (int64_t j = 0; j < g; j++) s[j * S + i] = dot_fixed(qh + j * D, kp, D) * scale;
         }
-        for (int64_t j = 0; j < g; j++) {
-            float *sj = s + j * S, m = -INFINITY, sum = 0.0f;
-            for (int64_t i = 0; i < S; i++) m = fmaxf(m, sj[i]);
-            for (int64_t i = 0; i < S; i++) {
-                sj[i] = expf(sj[i] - m);
-                sum += sj[i];
-            }
-            const float inv = 1.0f / sum;
-            for (int64_t i = 0; i < S; i++) sj[i] *= inv;
-        }
+        for (int64_t j = 0; j < g; j++) softmax_fixed(s + j * S, S);
         float *o = out + (r * Hq + h * g) * D;
-        memset(o, 0, sizeof(float) * (size_t)(g * D));
-        for (int64_t i = 0; i < S; i++) {
-            const int64_t slot = i < np ? (int64_t)table[i / bs] * bs + i % bs
-                                        : extra_slots[extra_ptr[r] + i - np];
-            const float *vp = vc + (slot * Hkv + h) * D;
-            for (int64_t j = 0; j < g; j++) {
-                const float p = s[j * S + i];
-                float *oj = o + j * D;
-                for (int64_t d = 0; d < D; d++) oj[d] += p * vp[d];
-            }
-        }
+        for (int64_t j = 0; j < g; j++)
+            weighted_sum(s + j * S, slots, S, vc + h * D, Hkv * D, D, o + j * D);
         free(s);
+        free(slots);
     }
 }
