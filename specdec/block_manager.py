@@ -25,7 +25,11 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.free: deque[int] = deque(range(num_blocks))  # unreferenced, no cached content
+        # Unreferenced blocks with no cached content, taken from the right: the block freed last
+        # is reused first, so a server touches only as many blocks as it has held at once (the
+        # CPU's KV pool is committed page by page, and cycling through it would make the process
+        # grow to the whole pool).
+        self.free: deque[int] = deque(range(num_blocks - 1, -1, -1))
         self.cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed, LRU order
         self.hash_to_block: dict[int, int] = {}
         # Per sequence: hashes of its committed full blocks, in order.
@@ -49,7 +53,7 @@ class BlockManager:
     # -- allocation -----------------------------------------------------------------------
     def _take(self) -> int:
         if self.free:
-            b = self.free.popleft()
+            b = self.free.pop()
         else:
             b, _ = self.cached.popitem(last=False)
             h = self.block_hash[b]

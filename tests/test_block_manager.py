@@ -235,3 +235,19 @@ def test_run_only_sets_requests_aside_with_their_blocks():
     sch.run_only(set())
     assert sch.schedule().empty and sch.has_unfinished()
     sch.run_only(None)
+
+
+def test_freed_blocks_are_reused_before_untouched_ones():
+    # The CPU's KV pool is committed page by page: sequences one after another, each with
+    # speculative slots rejected, must keep to the blocks they hold at once, not walk the pool.
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    used: set[int] = set()
+    for i in range(50):
+        s = seq(str(i), list(range(6)))
+        assert bm.reserve(s, 6 + 5)  # prompt and a 5-node draft: 3 blocks
+        used |= set(s.block_table)
+        bm.commit(s, 7)  # one token accepted: the third block goes back
+        assert bm.reserve(s, 5)
+        used |= set(s.block_table)
+        bm.free_seq(s)
+    assert len(used) == 3
