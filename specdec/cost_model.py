@@ -16,6 +16,22 @@ real step added to it (host work) stands in. Between measured sizes the cost is 
 linearly, so a plan's cost never jumps where a bucket would end; past the largest measured
 count it grows with the slope of the two largest (a larger pass is never assumed cheaper than
 a smaller one).
+
+A step that speculates costs more than a plain step of as many rows, and the difference is not a
+matter of rows: each sequence that drafts has its tree built, its tree metadata laid out and its
+verdict committed on the host, and on a GPU a plain step is chained on the device, its host
+work hidden under the pass, where a drafted one waits for it. So the row curve is learnt from
+plain steps alone (the cost plain decoding is compared at), and a drafted step's seconds less
+that curve at its rows, its extra, is kept apart with the number of its sequences that drafted
+(the recent WINDOW drafted steps of the last HOST_AGE steps): the median extra per such count,
+then a line through those medians, its slope the median of their pairwise slopes (never below
+zero) and its intercept the median residual (what speculating at all costs, whatever the
+count). A plan with s drafting sequences over r rows costs pass_time(r) + spec_time(s). With one
+count measured (a batch that always drafts whole, or the probes of a batch that does not) the
+split cannot be told: below that count the extra is taken as proportional, above it as flat,
+both estimates that err low and get tried, measured and corrected. The age limit makes probes
+the only evidence once speculation stops, so a cost that has dropped shows within HOST_AGE
+steps.
 """
 
 from __future__ import annotations
@@ -23,8 +39,10 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import itertools
 import json
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +51,7 @@ from pathlib import Path
 WINDOW = 16  # recent measurements kept per row count
 CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 CALIBRATION_PASSES = 3  # per row count, the fastest kept
+HOST_AGE = 128  # recorded steps a drafted step's extra counts for (four probes apart)
 
 
 class Curve:
@@ -87,19 +106,29 @@ class CostModel:
     def __init__(self) -> None:
         # A larger pass than any measured is assumed to cost what the largest did: tried
         # once, then measured.
-        # Real steps: the median of the recent ones per row count. With overlap one call's
-        # time is the step's period only on average (a call that finds the device done
-        # returns fast, the next one waits longer), so the fastest is no estimate of it.
+        # Real plain steps: the median of the recent ones per row count. With overlap one
+        # call's time is the step's period only on average (a call that finds the device
+        # done returns fast, the next one waits longer), so the fastest is no estimate of it.
         self.passes = Curve(typical=True)
         self.calibration = Curve()  # passes alone, measured at start
         # (method, drafting sequences) -> seconds by draft depth: a draft model's proposal is
         # one pass over its catch-up tokens, then one pass per further depth.
         self.drafts: dict[tuple[str, int], Curve] = {}
+        # Drafted steps: (steps recorded then, sequences that drafted, seconds over the rows).
+        self._extra: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
+        self._steps = 0
+        self._line: tuple[float, float, int] | None = None  # spec_time's, while it holds
 
     # -- the target pass --------------------------------------------------------------------
-    def record_pass(self, rows: int, seconds: float) -> None:
-        """A real step over `rows` query rows took `seconds` (its drafting left out)."""
-        self.passes.record(rows, seconds)
+    def record_pass(self, rows: int, seconds: float, speculating: int = 0) -> None:
+        """A real step over `rows` query rows took `seconds` (its drafting left out);
+        `speculating` of its sequences verified a draft."""
+        self._steps += 1
+        self._line = None
+        if speculating > 0:
+            self._extra.append((self._steps, speculating, seconds - self.pass_time(rows)))
+        else:
+            self.passes.record(rows, seconds)
 
     def knows(self, rows: int) -> bool:
         return rows in self.passes.best or rows in self.calibration.best
@@ -109,11 +138,10 @@ class CostModel:
         return dict(sorted({**self.calibration.best, **self.passes.best}.items()))
 
     def pass_time(self, rows: int) -> float:
-        """Seconds of a step over `rows` query rows; 0.0 while nothing is measured. Within
-        the range of real steps measured, theirs (interpolated); outside it, the calibrated
-        pass plus what the real step nearest in size added to its calibrated pass (host work,
-        which the calibration does not see and which differs between a chained plain step
-        and a host-drafted one)."""
+        """Seconds of a plain step over `rows` query rows; 0.0 while nothing is measured.
+        Within the range of real plain steps measured, theirs (interpolated); outside it, the
+        calibrated pass plus what the real step nearest in size added to its calibrated pass
+        (host work, which the calibration does not see)."""
         xs = self.passes.sizes
         if not self.calibration or (xs and xs[0] <= rows <= xs[-1]):
             return self.passes(rows)
@@ -121,6 +149,32 @@ class CostModel:
             return self.calibration(rows)
         near = xs[0] if rows < xs[0] else xs[-1]
         return max(0.0, self.calibration(rows) + self.passes.best[near] - self.calibration(near))
+
+    def spec_time(self, speculating: int) -> float:
+        """Seconds a step in which `speculating` sequences draft costs beyond a plain step of
+        its rows (0.0 for none, and while no drafted step is measured)."""
+        if speculating <= 0:
+            return 0.0
+        if self._line is None:
+            self._line = self._fit_extra()
+        base, per_seq, only = self._line
+        if only:
+            return max(0.0, base * min(1.0, speculating / only))
+        return max(0.0, base + per_seq * speculating)
+
+    def _fit_extra(self) -> tuple[float, float, int]:
+        """(intercept, slope per drafting sequence, 0), or (the median, 0.0, the count) where
+        one count of drafting sequences is measured."""
+        by_count: dict[int, list[float]] = {}
+        for at, count, extra in self._extra:
+            if self._steps - at < HOST_AGE:
+                by_count.setdefault(count, []).append(extra)
+        med = {c: statistics.median(xs) for c, xs in sorted(by_count.items())}
+        if len(med) <= 1:
+            return next(((m, 0.0, c) for c, m in med.items()), (0.0, 0.0, 0))
+        slope = max(0.0, statistics.median(
+            (med[b] - med[a]) / (b - a) for a, b in itertools.combinations(med, 2)))
+        return statistics.median(m - slope * c for c, m in med.items()), slope, 0
 
     # -- drafters ---------------------------------------------------------------------------
     def record_draft(self, method: str, batch: int, depth: int, seconds: float) -> None:

@@ -286,7 +286,8 @@ class LLMEngine:
         outputs, self._carried = self._carried, []
         settled: list[Settled] = []
         aborted: list[Request] = []
-        t_step, t_draft, rows = time.perf_counter(), 0.0, 0
+        t_step, t_draft = time.perf_counter(), 0.0
+        done: Launched | None = None  # the step this call commits, which it times
         try:
             aborted = self._finish_aborted()
             launched, self._launched = self._launched, None
@@ -295,11 +296,11 @@ class LLMEngine:
                 nxt = self.chainer.chain(launched)
                 settled = self.committer.commit(launched, in_flight=nxt.chain.shape.rows)
                 self._launched = nxt.rebase()
-                rows = launched.num_tokens
+                done = launched
             else:
                 if launched is not None:
                     settled = self._commit(launched)  # the step's one host synchronisation
-                    rows = launched.num_tokens
+                    done = launched
                 decoding = [self.requests[s.request_id] for s in self.scheduler.running
                             if not s.in_prefill]
                 self.drafting.depths(decoding)
@@ -316,7 +317,7 @@ class LLMEngine:
                         self._launched = launched  # committed by the next call
                     elif launched is not None:
                         settled += self._commit(launched)
-                        rows = launched.num_tokens
+                        done = launched
         except Exception:
             # Drafters may be left half-updated (a proposal never told what was accepted):
             # they forget every request and catch up at its next proposal.
@@ -328,11 +329,13 @@ class LLMEngine:
             outputs += [self._output(r, [], None, True) for r in aborted]
             self._carried = outputs
         self._carried = []
-        if rows:
+        if done is not None and done.num_tokens:
             # What the controller plans with is the whole step, host work and overlap as they
             # are (a chained plain step hides its host work, a host-drafted one does not),
-            # less the drafters' time, which it counts apart.
-            self.drafting.controller.record_pass(rows, time.perf_counter() - t_step - t_draft)
+            # less the drafters' time, which it counts apart, and how many sequences drafted.
+            self.drafting.controller.record_pass(done.num_tokens,
+                                                 time.perf_counter() - t_step - t_draft,
+                                                 sum(1 for row in done.rows if row.parents))
         return outputs
 
     def _commit(self, launched: Launched) -> list[Settled]:
