@@ -114,6 +114,7 @@ class CostModel:
         # (method, drafting sequences) -> seconds by draft depth: a draft model's proposal is
         # one pass over its catch-up tokens, then one pass per further depth.
         self.drafts: dict[tuple[str, int], Curve] = {}
+        self.draft_calibration: dict[str, Curve] = {}  # method -> its model's pass by rows
         # Drafted steps: (steps recorded then, sequences that drafted, seconds over the rows).
         self._extra: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
         self._steps = 0
@@ -187,48 +188,80 @@ class CostModel:
 
     def draft_time(self, method: str, batch: int, depth: int) -> float:
         """Seconds of `method` proposing `depth` deep for `batch` sequences: measured at this
-        batch size, else what the nearest measured size cost (0.0 when never measured): an
-        estimate that errs low is tried, measured and corrected; one that errs high would
-        never be tried."""
+        batch size; else, where the drafter's pass was calibrated, that estimate (scaled by
+        what real proposals cost against it at the nearest measured batch size); else what
+        the nearest measured size cost, or 0.0 when never measured: an estimate that errs low
+        is tried, measured and corrected; one that errs high would never be tried."""
         if batch <= 0 or depth <= 0:
             return 0.0
         curve = self.drafts.get((method, batch))
-        if curve is None:
-            known = [b for (m, b) in self.drafts if m == method]
-            if not known:
-                return 0.0
-            curve = self.drafts[(method, min(known, key=lambda b: (abs(b - batch), b)))]
-        return curve(depth)
+        if curve is not None:
+            return curve(depth)
+        est = self._calibrated_draft(method, batch, depth)
+        known = [b for (m, b) in self.drafts if m == method]
+        if not known:
+            return est or 0.0
+        near = min(known, key=lambda b: (abs(b - batch), b))
+        measured = self.drafts[(method, near)](depth)
+        ref = self._calibrated_draft(method, near, depth)
+        return est * measured / ref if est is not None and ref else measured
+
+    def _calibrated_draft(self, method: str, batch: int, depth: int) -> float | None:
+        """A proposal from the drafter's calibrated pass: one pass over two tokens a sequence
+        (the catch-up after a verification: the last accepted token and the bonus), then one
+        over one token a sequence per further depth."""
+        c = self.draft_calibration.get(method)
+        if not c:
+            return None
+        return c(2 * batch) + (depth - 1) * c(batch)
 
     # -- calibration ------------------------------------------------------------------------
     def calibrate(self, run_pass: Callable[[int], None], max_rows: int,
                   cache: Path | None = None) -> dict[int, float]:
         """Measure (or load from `cache`) the pass curve up to `max_rows` rows. `run_pass(n)`
         runs one target pass of n query rows and returns when it is done."""
-        rows = [r for r in CALIBRATION_ROWS if r <= max_rows]
-        curve: dict[int, float] | None = None
-        if cache is not None and cache.is_file():
-            try:
-                stored = json.loads(cache.read_text())
-                curve = {int(r): float(s) for r, s in stored["pass_seconds"].items()}
-            except (OSError, ValueError, KeyError, TypeError):
-                curve = None
-        if curve is None or not all(r in curve for r in rows):
-            run_pass(1)  # warm-up: first-call allocations and kernel builds
-            curve = {}
-            for r in rows:
-                best = float("inf")
-                for _ in range(CALIBRATION_PASSES):
-                    t = time.perf_counter()
-                    run_pass(r)
-                    best = min(best, time.perf_counter() - t)
-                curve[r] = best
-            if cache is not None:
-                _write_atomic(cache, {"pass_seconds": {str(r): s for r, s in curve.items()},
-                                      "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        curve = _measure(run_pass, max_rows, cache)
+        for r, sec in curve.items():
+            self.calibration.record(r, sec)
+        return curve
+
+    def calibrate_drafter(self, method: str, run_pass: Callable[[int], None], max_rows: int,
+                          cache: Path | None = None) -> dict[int, float]:
+        """The same for a model drafter's own pass (a draft model's), so that what its
+        proposals cost is known before it first proposes: without it, a batch on a machine
+        where drafting cannot pay (a CPU verifying many rows) drafts until the measurements
+        come in, and a short request pays the draft model's catch-up over its prompt."""
+        curve = _measure(run_pass, max_rows, cache)
+        c = self.draft_calibration[method] = Curve(proportional=True)
+        for r, sec in curve.items():
+            c.record(r, sec)
+        return curve
+
+
+def _measure(run_pass: Callable[[int], None], max_rows: int, cache: Path | None
+             ) -> dict[int, float]:
+    rows = [r for r in CALIBRATION_ROWS if r <= max_rows]
+    curve: dict[int, float] | None = None
+    if cache is not None and cache.is_file():
+        try:
+            stored = json.loads(cache.read_text())
+            curve = {int(r): float(s) for r, s in stored["pass_seconds"].items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            curve = None
+    if curve is None or not all(r in curve for r in rows):
+        run_pass(1)  # warm-up: first-call allocations and kernel builds
+        curve = {}
         for r in rows:
-            self.calibration.record(r, curve[r])
-        return {r: curve[r] for r in rows}
+            best = float("inf")
+            for _ in range(CALIBRATION_PASSES):
+                t = time.perf_counter()
+                run_pass(r)
+                best = min(best, time.perf_counter() - t)
+            curve[r] = best
+        if cache is not None:
+            _write_atomic(cache, {"pass_seconds": {str(r): s for r, s in curve.items()},
+                                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    return {r: curve[r] for r in rows}
 
 
 def cache_file(root: Path, **key: object) -> Path:

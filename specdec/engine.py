@@ -220,22 +220,34 @@ class LLMEngine:
 
     def calibrate_costs(self) -> dict[int, float]:
         """Measure the target pass by query rows, which the speculation controller plans with
-        (specdec/cost_model.py), or load it from the cache of an earlier start on this
-        machine; the server calls this before it reports ready."""
+        (specdec/cost_model.py), and each loaded draft model's, or load them from the cache of
+        an earlier start on this machine; the server calls this before it reports ready."""
+        if self.has_unfinished():
+            return {}
+        costs = self.drafting.controller.costs
+        curve = self._calibrate(self.runner, self.blocks.num_blocks, costs.calibrate)
+        for drafter in list(self.drafting.drafters.values()):
+            runner = getattr(drafter, "runner", None)
+            if isinstance(runner, ModelRunner) and not drafter.proposes_by_lookup:
+                self._calibrate(runner, runner.num_blocks,
+                                lambda run, rows, cache, m=drafter.name:
+                                costs.calibrate_drafter(m, run, rows, cache))
+        return curve
+
+    def _calibrate(self, runner: ModelRunner, num_blocks: int, measure) -> dict[int, float]:
         from specdec.cost_model import cache_file, code_digest, machine_name
         from specdec.hub.resolve import cache_root
 
-        ctx, bs = 256, self.blocks.block_size
-        rows = min(self.config.scheduler.max_num_batched_tokens, 128,
-                   self.blocks.num_blocks * bs - ctx)
-        if rows < 1 or self.has_unfinished():
+        ctx, bs = 256, runner.block_size
+        rows = min(self.config.scheduler.max_num_batched_tokens, 128, num_blocks * bs - ctx)
+        if rows < 1:
             return {}
-        mc, dev = self.config.model, self.runner.device
+        mc, dev = runner.mc, runner.device
 
         def run_pass(n: int) -> None:
             # Slots no request holds yet (none is admitted): what they are left holding is
             # overwritten before any request reads it.
-            self.runner.execute([Segment(
+            runner.execute([Segment(
                 tokens=[0] * n, positions=list(range(ctx, ctx + n)),
                 slots=list(range(ctx, ctx + n)), context_len=ctx,
                 block_table=list(range((ctx + n + bs - 1) // bs)),
@@ -248,7 +260,7 @@ class LLMEngine:
                            quantization=mc.quantization, kernel=mc.cpu_kernel,
                            threads=torch.get_num_threads(), rows=rows, code=code_digest(),
                            version=2)
-        return self.drafting.controller.costs.calibrate(run_pass, rows, cache)
+        return measure(run_pass, rows, cache)
 
     def abort_request(self, request_id: str) -> None:
         r = self.requests.get(request_id)

@@ -23,6 +23,7 @@ class LLM:
         self.engine = LLMEngine.from_args(model=model, dtype=dtype, device=device,
                                           speculative=speculative, **kw)
         if self.engine.plans_speculation:
+            self.engine.load_default_drafter()  # loaded now, and its pass measured with ours
             self.engine.calibrate_costs()
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -4,6 +4,7 @@ a tiny engine: its choices never change greedy output."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -212,6 +213,51 @@ def test_calibration_is_cached(tmp_path):
     model = CostModel()
     assert model.calibrate(lambda n: calls.append(n), 8, cache) == curve and not calls
     assert model.knows(6)
+
+
+
+def _cached_curve(tmp_path, name, seconds):
+    """A cache file as calibration writes it, seconds per row count (1-8)."""
+    cache = tmp_path / name
+    cache.write_text(json.dumps({"pass_seconds": {str(r): seconds(r)
+                                                  for r in (1, 2, 3, 4, 5, 6, 8)}}))
+    return cache
+
+
+def _never(n):
+    raise AssertionError("a cached curve is not measured again")
+
+
+def test_a_calibrated_draft_model_is_priced_before_it_proposes(tmp_path):
+    c = CostModel()
+    c.calibrate_drafter("draft_model", _never, 8,
+                        _cached_curve(tmp_path, "d.json", lambda r: 0.01 + 0.002 * r))
+    # One pass over two tokens a sequence, then one over one token a sequence per depth.
+    assert c.draft_time("draft_model", 4, 3) == pytest.approx(0.026 + 2 * 0.018)
+    assert c.draft_time("ngram", 4, 3) == 0.0  # nothing calibrated, nothing measured
+    # Real proposals at batch 1 cost twice the calibrated estimate: other batches scale by it.
+    for _ in range(3):
+        c.record_draft("draft_model", 1, 3, 2 * (0.014 + 2 * 0.012))
+    assert c.draft_time("draft_model", 1, 3) == pytest.approx(2 * 0.038)
+    assert c.draft_time("draft_model", 4, 3) == pytest.approx(2 * (0.026 + 2 * 0.018))
+
+
+def test_a_costly_draft_model_is_not_tried_where_it_cannot_pay(tmp_path):
+    # 4 rows cost 1, every further row 0.05: drafting pays while the drafter is thought free;
+    # a draft model pass costs 0.5, and then it does not.
+    def controller(calibrated: bool) -> SpeculationController:
+        c = SpeculationController()
+        c.costs.calibrate(_never, 8, _cached_curve(tmp_path, "t.json",
+                                                   lambda r: 1.0 + 0.05 * max(0, r - 4)))
+        if calibrated:
+            c.costs.calibrate_drafter("draft_model", _never, 8,
+                                      _cached_curve(tmp_path, "d.json", lambda r: 0.5))
+        c.record_pass(4, 1.0)
+        return c
+
+    cands = [cand(str(i), "draft_model") for i in range(4)]
+    assert any(ch.k > 0 for ch in controller(False).choose(4, 0, cands).values())
+    assert all(ch.k == 0 for ch in controller(True).choose(4, 0, cands).values())
 
 
 def cand(rid, method="ngram", k=4, survival=None, lookup=None):
