@@ -17,6 +17,7 @@ from typing import Any
 
 from server.metrics import ServerMetrics
 from specdec.isolation import isolate
+from specdec.models.loader import trim_heap
 
 log = logging.getLogger("specdec.server")
 # Isolations in a row that pin a failing step on no request before the loop fails them all.
@@ -286,11 +287,13 @@ class AsyncEngine:
                 self._num_waiting = self.engine.num_waiting
                 self._admitting = 0
             try:
-                busy = bool(self.engine.has_unfinished())
+                was_busy, busy = busy, bool(self.engine.has_unfinished())
                 if busy:
                     outputs = self.engine.step()
                     fresh.clear()
                     self._dispatch(outputs)
+                elif was_busy:
+                    trim_heap()  # idle now: what the steps freed goes back to the OS
             except Exception as exc:  # the loop must outlive any one request
                 log.exception("engine step failed; running its requests apart")
                 self._pin(exc, fresh)

@@ -252,3 +252,24 @@ def test_metrics_and_openapi() -> None:
             assert {"suffix", "speculative", "stream_options"} <= set(props)
 
     run(go())
+
+
+def test_the_heap_is_trimmed_when_the_engine_falls_idle(monkeypatch) -> None:
+    import server.async_engine as ae
+
+    trims: list[int] = []
+    monkeypatch.setattr(ae, "trim_heap", lambda: trims.append(1))
+
+    async def go() -> None:
+        async with client() as c:
+            for i in range(2):
+                r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+                assert r.status_code == 200
+                for _ in range(200):  # the engine thread trims just after the last step
+                    if len(trims) > i:
+                        break
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+
+    run(go())
+    assert len(trims) == 2  # once per fall to idle, never while idle
