@@ -115,8 +115,12 @@ def main() -> None:
                 # graph or tune a kernel inside its timed window.
                 for name, extra in [(n, e) for _ in range(2) for n, e in cells.items()]:
                     spec = {"method": "replay", "survival": surv, **extra}
+                    before = _depths(engine)
                     run = run_requests(engine, prompts, spec, a.max_tokens,
                                        f"{ds}{drafter}{batch}{name}{time.monotonic_ns()}")
+                    if name == "controller":  # what it chose, and the costs it planned with
+                        row.setdefault("controller_runs", []).append(
+                            _controller_detail(engine, before, batch, a.k_max, run.rate))
                     if run.outputs != plain.outputs:
                         res["mismatches"].append(f"b={batch} {ds} {drafter} {name}")
                     if run.rate > row["tok_s"].get(name, 0.0):
@@ -138,5 +142,25 @@ def main() -> None:
     save()
 
 
+def _depths(engine) -> dict[str, int]:
+    st = engine.drafting.controller.stats.get("replay")
+    return dict(st.depths) if st is not None else {}
+
+
+def _controller_detail(engine, before: dict, batch: int, k_max: int, rate: float) -> dict:
+    """The depths the controller chose in one run (a histogram over sequence-steps) and its
+    cost model after it: the pass by rows, the drafted step's extra by drafting sequences."""
+    after = _depths(engine)
+    costs = engine.drafting.controller.costs
+    rows = sorted({batch, 2 * batch, batch * (k_max + 1) // 2, batch * (k_max + 1)})
+    return {"tok_s": round(rate, 1),
+            "depths": {str(d): after.get(d, 0) - before.get(d, 0) for d in sorted(after)
+                       if after.get(d, 0) - before.get(d, 0)},
+            "pass_ms": {str(r): round(costs.pass_time(r) * 1e3, 3) for r in rows},
+            "spec_ms": {str(n): round(costs.spec_time(n) * 1e3, 3)
+                        for n in sorted({1, max(1, batch // 2), batch})}}
+
+
 if __name__ == "__main__":
     main()
+

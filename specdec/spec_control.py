@@ -242,6 +242,7 @@ class SpeculationController:
         self.stats: dict[str, ControlStats] = {}
         self._since_probe = 0
         self._probe = 0
+        self._all_off = False  # the last choice gave every candidate depth 0
 
     # -- what the controller learns -----------------------------------------------------------
     def record_pass(self, rows: int, seconds: float, speculating: int = 0) -> None:
@@ -292,6 +293,7 @@ class SpeculationController:
     def choose(self, base_rows: int, plain: int, cands: list[Candidate]) -> dict[str, Choice]:
         """Per candidate: its drafter and depth. `base_rows`: the step's rows before any draft
         node; `plain`: sequences in it that decode without speculating."""
+        self._all_off = False
         if not cands:
             return {}
         if not self.costs.measured:
@@ -337,7 +339,23 @@ class SpeculationController:
             cand = next(x for x in cands if x.request_id == c)
             a = cand.alternatives[ch.alternative]
             self._pending[c] = (a.method, 1 + sum(a.survival[:ch.k]))
+        self._all_off = all(ch.k == 0 and ch.fallback is None for ch in out.values())
         return out
+
+    @property
+    def resting(self) -> bool:
+        """Whether the last choice drafted for no one and the next probe is not due: until it
+        is, nothing new can be learnt, so the engine may chain plain steps on the device
+        without asking (specdec/chaining.py), counting each with `rest_step`."""
+        return self._all_off and self._since_probe + 1 < PROBE_EVERY
+
+    def rest_step(self) -> bool:
+        """A plain step taken without a choice while resting: it counts towards the next
+        probe. False when the controller is not resting (the step is planned on the host)."""
+        if not self.resting:
+            return False
+        self._since_probe += 1
+        return True
 
     def _pick(self, c: Candidate, rows: int, batch: int) -> int:
         """The alternative with the most expected tokens per second of its own: its best

@@ -156,3 +156,26 @@ def test_eagle_features_with_steps_read_back_late(tiny_llama, tmp_path):
     outs = lm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == ref
     assert all(o.spec.draft_tokens > 0 for o in outs) and lm.engine.blocks.num_used == 0
+
+
+def test_adaptive_requests_at_depth_zero_chain_while_the_controller_rests(tiny_llama,
+                                                                         monkeypatch):
+    """Drafting made to lose (every draft row dear): the controller puts the batch at depth 0,
+    and its plain steps chain until each probe, which is planned on the host; outputs are
+    those of plain decoding."""
+    from specdec.cost_model import CostModel
+    from specdec.spec_control import PROBE_EVERY
+
+    long = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    ref = llm(tiny_llama, False).generate(PROMPTS, long)
+    spec = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True,
+                          speculative={"method": "ngram", "adaptive": True})
+    monkeypatch.setattr(CostModel, "pass_time", lambda self, rows: 1.0 + 10.0 * rows)
+    lm = llm(tiny_llama, True)
+    outs = lm.generate(PROMPTS, spec)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    steps = max(len(o.token_ids) for o in outs)
+    assert lm.engine.chainer.chained_steps >= steps // 2
+    # Probes still come: about one host-planned step every PROBE_EVERY.
+    assert lm.engine.chainer.chained_steps <= steps - steps // PROBE_EVERY
+    assert lm.engine.blocks.num_used == 0
