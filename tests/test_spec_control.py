@@ -389,3 +389,13 @@ def test_real_steps_add_their_host_time_to_the_calibrated_curve(tmp_path):
     c.record_pass(4, 1.04)  # a larger real step adds more (host-drafted, say)
     assert c.pass_time(2) == pytest.approx(0.51 + (1.04 - 0.51) / 3)  # real steps between
     assert c.pass_time(8) == pytest.approx(0.08 + 1.0)  # past them: the nearest one's share
+
+
+def test_a_pass_past_the_real_steps_is_never_cheaper_than_the_largest(tmp_path):
+    c = CostModel()
+    # A calibration that falls with rows (its shape is one segment's, not a batch's).
+    c.calibrate(_never, 8, _cached_curve(tmp_path, "t.json", lambda r: 0.01 / r))
+    c.record_pass(2, 0.005)
+    c.record_pass(4, 0.006)
+    assert c.pass_time(8) == pytest.approx(0.006)
+    assert c.pass_time(1) == pytest.approx(0.005)
