@@ -399,3 +399,10 @@ def test_a_pass_past_the_real_steps_is_never_cheaper_than_the_largest(tmp_path):
     c.record_pass(4, 0.006)
     assert c.pass_time(8) == pytest.approx(0.006)
     assert c.pass_time(1) == pytest.approx(0.005)
+
+
+def test_a_calibration_spike_is_cut_to_the_cheapest_larger_size(tmp_path):
+    spiky = {1: 0.03, 2: 0.031, 3: 0.033, 4: 0.035, 5: 0.036, 6: 1.75, 8: 0.04}
+    c = CostModel()
+    curve = c.calibrate(_never, 8, _cached_curve(tmp_path, "t.json", spiky.__getitem__))
+    assert curve[6] == 0.04 and curve[5] == 0.036 and curve[8] == 0.04
