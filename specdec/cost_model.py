@@ -269,8 +269,9 @@ def _measure(run_pass: Callable[[int], None], max_rows: int, cache: Path | None
     # other core busy; a fresh machine's first start read 1.75 s at 6 rows against 0.20 s at
     # 8) is cut down to the cheapest larger size.
     out: dict[int, float] = {}
+    cheapest = float("inf")  # the cheapest size above r
     for r in reversed(rows):
-        out[r] = min(curve[r], out[min(out)] if out else curve[r])
+        cheapest = out[r] = min(curve[r], cheapest)
     return dict(sorted(out.items()))
 
 

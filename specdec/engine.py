@@ -16,6 +16,7 @@ specdec/isolation.py, through `run_only` and `fail_request`.
 
 from __future__ import annotations
 
+import functools
 import gc
 import random
 import time
@@ -26,6 +27,7 @@ import torch
 
 from drafters import create_drafter
 from specdec.block_manager import BlockManager
+from specdec.calibration import calibrate_runner
 from specdec.chaining import Chainer
 from specdec.commit import Launched, Row, Settled, StepCommitter
 from specdec.config import (
@@ -47,7 +49,7 @@ from specdec.sampler import TokenPieces
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler, StepPlan
 from specdec.sequence import Sequence
-from specdec.step_inputs import Draft, Segment, plan_segments
+from specdec.step_inputs import Draft, plan_segments
 from specdec.stop_rules import TextRules
 from specdec.verdict import verify_step
 
@@ -225,42 +227,14 @@ class LLMEngine:
         if self.has_unfinished():
             return {}
         costs = self.drafting.controller.costs
-        curve = self._calibrate(self.runner, self.blocks.num_blocks, costs.calibrate)
+        max_rows = self.config.scheduler.max_num_batched_tokens
+        curve = calibrate_runner(self.runner, max_rows, costs.calibrate)
         for drafter in list(self.drafting.drafters.values()):
             runner = getattr(drafter, "runner", None)
             if isinstance(runner, ModelRunner) and not drafter.proposes_by_lookup:
-                self._calibrate(runner, runner.num_blocks,
-                                lambda run, rows, cache, m=drafter.name:
-                                costs.calibrate_drafter(m, run, rows, cache))
+                calibrate_runner(runner, max_rows,
+                                 functools.partial(costs.calibrate_drafter, drafter.name))
         return curve
-
-    def _calibrate(self, runner: ModelRunner, num_blocks: int, measure) -> dict[int, float]:
-        from specdec.cost_model import cache_file, code_digest, machine_name
-        from specdec.hub.resolve import cache_root
-
-        ctx, bs = 256, runner.block_size
-        rows = min(self.config.scheduler.max_num_batched_tokens, 128, num_blocks * bs - ctx)
-        if rows < 1:
-            return {}
-        mc, dev = runner.mc, runner.device
-
-        def run_pass(n: int) -> None:
-            # Slots no request holds yet (none is admitted): what they are left holding is
-            # overwritten before any request reads it.
-            runner.execute([Segment(
-                tokens=[0] * n, positions=list(range(ctx, ctx + n)),
-                slots=list(range(ctx, ctx + n)), context_len=ctx,
-                block_table=list(range((ctx + n + bs - 1) // bs)),
-                logits_rows=tuple(range(n)))])
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-
-        where = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else machine_name())
-        cache = cache_file(cache_root() / "costs", machine=where, model=mc.model, dtype=mc.dtype,
-                           quantization=mc.quantization, kernel=mc.cpu_kernel,
-                           threads=torch.get_num_threads(), rows=rows, code=code_digest(),
-                           version=2)
-        return measure(run_pass, rows, cache)
 
     def abort_request(self, request_id: str) -> None:
         r = self.requests.get(request_id)

@@ -1,16 +1,15 @@
-"""The goodput controller and its cost model, with made-up costs (no model, no timing), then on
-a tiny engine: its choices never change greedy output."""
+"""The goodput controller, with made-up costs (no model, no timing), then on a tiny engine: its
+choices never change greedy output. The cost model itself: tests/test_cost_model.py."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import random
 
 import pytest
+from test_cost_model import _cached_curve, _never
 
 from specdec import LLM, SamplingParams
-from specdec.cost_model import HOST_AGE, CostModel
 from specdec.spec_control import (
     PROBE_EVERY,
     Acceptance,
@@ -158,90 +157,6 @@ def test_acceptance_is_recency_weighted_and_monotone():
     assert acc.survival(6, geometric(0.9, 6)) == s
 
 
-def test_cost_model_interpolates_and_never_assumes_larger_is_cheaper():
-    c = CostModel()
-    assert c.pass_time(4) == 0.0
-    c.record_pass(1, 1.0)
-    assert c.pass_time(8) == 1.0  # one point: a larger pass is tried once at that price
-    c.record_pass(4, 1.6)
-    assert c.pass_time(2) == pytest.approx(1.2)
-    assert c.pass_time(8) == pytest.approx(1.6 + 0.2 * 4)
-    c.record_pass(4, 9.0)  # a slow step on a busy machine: the (lower) median stands
-    assert c.pass_time(4) == 1.6
-    c.record_draft("draft_model", 2, 4, 0.8)
-    assert c.draft_time("draft_model", 2, 2) == pytest.approx(0.4)  # one depth: proportional
-    c.record_draft("draft_model", 2, 1, 0.3)
-    assert c.draft_time("draft_model", 2, 2) == pytest.approx(0.3 + 0.5 / 3)
-    assert c.draft_time("draft_model", 3, 4) == pytest.approx(0.8)  # the nearest batch size
-    assert c.draft_time("ngram", 1, 4) == 0.0
-
-
-def test_host_work_per_drafting_sequence_is_learnt_apart_from_the_rows():
-    c = CostModel()
-    for rows in (1, 2, 4, 8, 16, 32, 64):
-        c.record_pass(rows, 1.0 + 0.01 * rows)  # plain steps
-    assert c.spec_time(4) == 0.0  # no drafted step yet
-    rng = random.Random(0)
-    for step in range(48):
-        s = (2, 4, 8)[step % 3]
-        rows = 8 + 4 * s
-        slow = 5.0 if step % 8 == 0 else 0.0  # a step slowed by another process
-        c.record_pass(rows, 1.0 + 0.01 * rows + 0.05 + 0.1 * s + slow + rng.uniform(-0.01, 0.01),
-                      s)
-    for s in (1, 2, 4, 8, 16):
-        assert c.spec_time(s) == pytest.approx(0.05 + 0.1 * s, abs=0.02)
-    assert c.spec_time(0) == 0.0
-    assert c.pass_time(16) == pytest.approx(1.16)  # plain steps' cost: drafted ones apart
-
-    one = CostModel()
-    one.record_pass(8, 1.0)
-    one.record_pass(40, 1.8, 8)  # one count measured: proportional below it, flat above
-    assert one.spec_time(8) == pytest.approx(0.8)  # 1.8 less the plain step's 1.0
-    assert one.spec_time(4) == pytest.approx(0.4)
-    assert one.spec_time(32) == pytest.approx(0.8)
-    for _ in range(HOST_AGE):
-        one.record_pass(8, 1.0)
-    assert one.spec_time(8) == 0.0  # forgotten: the next drafted step measures it again
-
-
-def test_calibration_is_cached(tmp_path):
-    calls = []
-    cache = tmp_path / "pass.json"
-    curve = CostModel().calibrate(lambda n: calls.append(n), 8, cache)
-    assert set(curve) == {1, 2, 3, 4, 5, 6, 8} and calls and cache.is_file()
-    calls.clear()
-    model = CostModel()
-    assert model.calibrate(lambda n: calls.append(n), 8, cache) == curve and not calls
-    assert model.knows(6)
-
-
-
-def _cached_curve(tmp_path, name, seconds):
-    """A cache file as calibration writes it, seconds per row count (1-8)."""
-    cache = tmp_path / name
-    cache.write_text(json.dumps({"pass_seconds": {str(r): seconds(r)
-                                                  for r in (1, 2, 3, 4, 5, 6, 8)}}))
-    return cache
-
-
-def _never(n):
-    raise AssertionError("a cached curve is not measured again")
-
-
-def test_a_calibrated_draft_model_is_priced_before_it_proposes(tmp_path):
-    c = CostModel()
-    c.calibrate_drafter("draft_model", _never, 8,
-                        _cached_curve(tmp_path, "d.json", lambda r: 0.01 + 0.002 * r))
-    # One pass over two tokens a sequence, then one over one token a sequence per depth.
-    assert c.draft_time("draft_model", 4, 3) == pytest.approx(0.026 + 2 * 0.018)
-    assert c.draft_time("ngram", 4, 3) == 0.0  # nothing calibrated, nothing measured
-    # Real proposals at batch 1 cost twice the calibrated estimate: other batches scale by it.
-    for _ in range(3):
-        c.record_draft("draft_model", 1, 3, 2 * (0.014 + 2 * 0.012))
-    assert c.draft_time("draft_model", 1, 3) == pytest.approx(2 * 0.038)
-    assert c.draft_time("draft_model", 4, 3) == pytest.approx(2 * (0.026 + 2 * 0.018))
-
-
 def test_a_costly_draft_model_is_not_tried_where_it_cannot_pay(tmp_path):
     # 4 rows cost 1, every further row 0.05: drafting pays while the drafter is thought free;
     # a draft model pass costs 0.5, and then it does not.
@@ -375,34 +290,3 @@ def test_engine_records_how_many_sequences_of_a_step_drafted(tiny_llama, monkeyp
         assert all(rows >= 2 * s for rows, s in steps)  # a root and a draft node at least
         drafted = sum(1 for _, s in steps if s)
         assert drafted == 0 if method == "none" else drafted > 0
-
-
-def test_real_steps_add_their_host_time_to_the_calibrated_curve(tmp_path):
-    c = CostModel()
-    c.calibrate(lambda n: None, 8, None)  # near-zero passes
-    c.calibration = type(c.calibration)()
-    for r in (1, 2, 4, 8):
-        c.calibration.record(r, 0.01 * r)
-    c.record_pass(1, 0.51)  # a real step: the pass and 0.5 s of host work
-    assert c.pass_time(1) == pytest.approx(0.51)
-    assert c.pass_time(4) == pytest.approx(0.04 + 0.5)  # calibrated, plus the host's share
-    c.record_pass(4, 1.04)  # a larger real step adds more (host-drafted, say)
-    assert c.pass_time(2) == pytest.approx(0.51 + (1.04 - 0.51) / 3)  # real steps between
-    assert c.pass_time(8) == pytest.approx(0.08 + 1.0)  # past them: the nearest one's share
-
-
-def test_a_pass_past_the_real_steps_is_never_cheaper_than_the_largest(tmp_path):
-    c = CostModel()
-    # A calibration that falls with rows (its shape is one segment's, not a batch's).
-    c.calibrate(_never, 8, _cached_curve(tmp_path, "t.json", lambda r: 0.01 / r))
-    c.record_pass(2, 0.005)
-    c.record_pass(4, 0.006)
-    assert c.pass_time(8) == pytest.approx(0.006)
-    assert c.pass_time(1) == pytest.approx(0.005)
-
-
-def test_a_calibration_spike_is_cut_to_the_cheapest_larger_size(tmp_path):
-    spiky = {1: 0.03, 2: 0.031, 3: 0.033, 4: 0.035, 5: 0.036, 6: 1.75, 8: 0.04}
-    c = CostModel()
-    curve = c.calibrate(_never, 8, _cached_curve(tmp_path, "t.json", spiky.__getitem__))
-    assert curve[6] == 0.04 and curve[5] == 0.036 and curve[8] == 0.04
