@@ -210,6 +210,12 @@ class CostModel:
         ref = self._calibrated_draft(method, near, depth)
         return est * measured / ref if est is not None and ref else measured
 
+    def catch_up_time(self, method: str, tokens: int) -> float:
+        """Seconds a proposal that first feeds `tokens` a model drafter missed costs beyond a
+        usual one (which feeds 2), from its calibrated pass; 0.0 where it is not calibrated."""
+        c = self.draft_calibration.get(method)
+        return max(0.0, c(tokens) - c(2)) if c and tokens > 2 else 0.0
+
     def _calibrated_draft(self, method: str, batch: int, depth: int) -> float | None:
         """A proposal from the drafter's calibrated pass: one pass over two tokens a sequence
         (the catch-up after a verification: the last accepted token and the bonus), then one

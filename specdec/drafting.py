@@ -128,12 +128,8 @@ class Drafting:
             if not r.spec.on:
                 continue
             if r.spec.adaptive:
-                cands.append(Candidate(r.request_id, [Alternative(
-                    s.method, s.k, self.drafter(s).max_nodes(1, s.options),
-                    self.controller.survival(r.request_id, s.method, s.k),
-                    self.drafter(s).proposes_by_lookup,
-                    self._behind(r, s) > 2 and not self.drafter(s).proposes_by_lookup)
-                    for s in self._choices(r)]))
+                cands.append(Candidate(r.request_id, [self._alternative(r, s)
+                                                      for s in self._choices(r)]))
             else:
                 fixed.append(r)
                 r.depth = r.spec.k
@@ -147,6 +143,17 @@ class Drafting:
             r.drafter = self.drafter(r.active)
             if ch.fallback is not None and ch.k > 0:
                 r.fallback = (choices[ch.fallback], ch.fallback_k)
+
+    def _alternative(self, r: Request, s: Speculation) -> Alternative:
+        """What drafting `r` with `s` this step would gain (survival) and cost (tree width; a
+        stale model drafter's catch-up)."""
+        d = self.drafter(s)
+        survival = self.controller.survival(r.request_id, s.method, s.k)
+        behind = 0 if d.proposes_by_lookup else self._behind(r, s)
+        left = r.seq.params.max_tokens - len(r.seq.output_token_ids)
+        return Alternative(s.method, s.k, d.max_nodes(1, s.options), survival,
+                           d.proposes_by_lookup, behind > 2,
+                           self.controller.start_cost(s.method, behind, left, survival))
 
     def _behind(self, r: Request, spec: Speculation) -> int:
         """Tokens `spec`'s drafter has not seen of `r` (since its last proposal for it)."""

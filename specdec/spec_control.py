@@ -120,6 +120,10 @@ class Alternative:
     # A model drafter behind on this sequence's tokens (it has not drafted for it lately): its
     # next proposal first feeds all it missed, so a probe does not start it.
     stale: bool = False
+    # Seconds a step costs on top while this sequence drafts: a stale drafter's catch-up (a
+    # prefill of the prompt, for a new request) spread over the steps the sequence has left
+    # (`SpeculationController.start_cost`).
+    start: float = 0.0
 
 
 @dataclass
@@ -169,7 +173,7 @@ def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: 
     def scan(items: list[tuple[float, int, int]]) -> None:
         items.sort(key=lambda t: -t[0])  # stable: a sequence's positions stay in order
         orders.append([(i, j) for _, i, j in items])
-        gain, rows, speculating = float(plain + n), base_rows, 0
+        gain, rows, speculating, starting = float(plain + n), base_rows, 0, 0.0
         drafting = {m: 0 for m in methods}
         depth_of = {m: 0 for m in methods}
         for p, (_, i, j) in enumerate(items, 1):
@@ -179,9 +183,10 @@ def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: 
             if j == 0:
                 drafting[a.method] += 1
                 speculating += 1
+                starting += a.start
             if j >= depth_of[a.method]:
                 depth_of[a.method] = j + 1
-            cost = host(speculating)
+            cost = host(speculating) + starting
             for m in methods:
                 if drafting[m]:
                     cost += draft_time(m, drafting[m], depth_of[m])
@@ -194,12 +199,13 @@ def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: 
         scan([(a.survival[j] / a.width, i, j) for i, a in enumerate(alts)
               for j in range(limits[-1][i])])
     per_seq = (host(n) - host(1)) / (n - 1) if n > 1 else 0.0
-    if per_seq > 0:
-        price = max(f[0] for f in found) * per_seq  # a sequence's host work, in tokens
+    if per_seq > 0 or any(a.start for a in alts):
+        top = max(f[0] for f in found)  # prices a sequence's host work and start, in tokens
         for limit in limits:
             items = []
             for i, a in enumerate(alts):
                 gains = itertools.accumulate(a.survival[:limit[i]])
+                price = top * (per_seq + a.start)
                 bundle, value = max(((d, (g - price) / (d * a.width))
                                      for d, g in enumerate(gains, 1)),
                                     key=lambda t: t[1], default=(0, 0.0))
@@ -368,11 +374,23 @@ class SpeculationController:
         best, best_value = 0, -1.0
         for idx, a in enumerate(c.alternatives):
             value = max((sum(a.survival[:k]) / (
-                k * a.width * per_row + host + self.costs.draft_time(a.method, batch, k)
-                / max(1, batch)) for k in range(1, a.max_k + 1)), default=0.0)
+                k * a.width * per_row + host + a.start
+                + self.costs.draft_time(a.method, batch, k) / max(1, batch))
+                for k in range(1, a.max_k + 1)), default=0.0)
             if value > best_value:
                 best, best_value = idx, value
         return best
+
+    def start_cost(self, method: str, behind: int, left: int, survival: list[float]) -> float:
+        """Seconds per step that starting `method` on a sequence costs on top of its usual
+        proposals, where the drafter is `behind` tokens (it first feeds them all: for a new
+        request, its whole prompt) and the sequence has at most `left` tokens to go: the
+        catch-up pass beyond a usual one (2 tokens), spread over the steps that drafting
+        `survival` deep takes to emit them. A request with few tokens left, behind a long
+        prompt, does not start a costly drafter that could not pay it back (0.0 where the
+        drafter's pass is not calibrated: an estimate that errs low is tried, then measured)."""
+        extra = self.costs.catch_up_time(method, behind)
+        return extra * (1 + sum(survival)) / max(1, left) if extra > 0 else 0.0
 
     @staticmethod
     def _fallback(c: Candidate, picked: int) -> int | None:

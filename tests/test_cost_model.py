@@ -70,11 +70,10 @@ def test_calibration_is_cached(tmp_path):
 
 
 
-def _cached_curve(tmp_path, name, seconds):
-    """A cache file as calibration writes it, seconds per row count (1-8)."""
+def _cached_curve(tmp_path, name, seconds, rows=(1, 2, 3, 4, 5, 6, 8)):
+    """A cache file as calibration writes it, seconds per row count (1-8 unless `rows`)."""
     cache = tmp_path / name
-    cache.write_text(json.dumps({"pass_seconds": {str(r): seconds(r)
-                                                  for r in (1, 2, 3, 4, 5, 6, 8)}}))
+    cache.write_text(json.dumps({"pass_seconds": {str(r): seconds(r) for r in rows}}))
     return cache
 
 

@@ -10,6 +10,7 @@ import pytest
 from test_cost_model import _cached_curve, _never
 
 from specdec import LLM, SamplingParams
+from specdec.cost_model import CALIBRATION_ROWS
 from specdec.spec_control import (
     PROBE_EVERY,
     Acceptance,
@@ -34,6 +35,7 @@ def rate_of(ks, alts, base, plain, pass_time, draft_time, host=lambda s: 0.0):
     cost = pass_time(base + sum(k * a.width for a, k in zip(alts, ks)))
     speculating = sum(1 for k in ks if k)
     cost += host(speculating) if speculating else 0.0
+    cost += sum(a.start for a, k in zip(alts, ks) if k)
     for m in {a.method for a in alts}:
         depths = [k for a, k in zip(alts, ks) if a.method == m and k]
         cost += draft_time(m, len(depths), max(depths)) if depths else 0.0
@@ -107,6 +109,49 @@ def test_best_depths_near_brute_force_with_host_work_per_drafting_sequence():
         ignoring += rate_of(blind, alts, base, plain, pass_time, draft_time, host) < (
             best * (1 - 0.005))
     assert ignoring > 40  # plans that leave the host work out lose more, often
+
+
+def test_best_depths_near_brute_force_with_a_start_cost_per_sequence():
+    # A stale model drafter's catch-up, per sequence: another cost the greedy over rows does
+    # not see, priced into each sequence's bundle.
+    for seed in range(400):
+        rng = random.Random(seed)
+        alts, base, plain, pass_time, draft_time = random_batch(rng)
+        for a in alts:
+            a.start = rng.choice([0.0, rng.uniform(0.0, 1.0)])
+        per_seq = rng.choice([0.0, rng.uniform(0.0, 0.5)])
+
+        def host(s: int, per_seq: float = per_seq) -> float:
+            return per_seq * s
+
+        ks, rate = best_depths(alts, base, plain, pass_time, draft_time, spec_time=host)
+        best = brute_force(alts, base, plain, pass_time, draft_time, host)
+        assert rate == pytest.approx(rate_of(ks, alts, base, plain, pass_time, draft_time,
+                                             host), rel=1e-9)
+        assert best * (1 - 0.005) <= rate <= best * (1 + 1e-9)
+
+
+def test_a_draft_model_behind_a_long_prompt_starts_only_where_the_tokens_left_repay_it(
+        tmp_path):
+    # Rows cost 1 + 0.05 a row beyond 4, the draft model's pass 0.05 + 0.002 a row: drafting
+    # pays step by step, but its first proposal feeds the 1,000-token prompt (2 s).
+    c = SpeculationController()
+    c.costs.calibrate(_never, 8, _cached_curve(tmp_path, "t.json",
+                                               lambda r: 1.0 + 0.05 * max(0, r - 4)))
+    c.costs.calibrate_drafter("draft_model", _never, 128,
+                              _cached_curve(tmp_path, "d.json", lambda r: 0.05 + 0.002 * r,
+                                            CALIBRATION_ROWS))
+    c.record_pass(4, 1.0)
+    s = geometric(0.8, 4)
+    assert c.costs.catch_up_time("draft_model", 1000) == pytest.approx(0.002 * 998)
+
+    def k(left: int) -> int:
+        a = Alternative("draft_model", 4, 1, s, False, True,
+                        c.start_cost("draft_model", 1000, left, s))
+        return c.choose(4, 3, [Candidate("r", [a])])["r"].k
+
+    assert k(8) == 0 and k(4000) > 0
+    assert c.start_cost("draft_model", 2, 8, s) == 0.0  # a usual catch-up costs nothing more
 
 
 def test_free_verification_drafts_deep_and_expensive_drafts_not_at_all():
