@@ -129,6 +129,11 @@ class Drafter(ABC):
         """The tree size this drafter asks the scheduler for, given the request's settings."""
         return k
 
+    def catch_up_tokens(self, behind: int, options: dict[str, Any]) -> int:
+        """Tokens its next proposal feeds for a sequence it has not seen the last `behind`
+        tokens of (a model drafter; a new request's are its whole prompt)."""
+        return behind
+
     def has_position_table(self, options: dict[str, Any]) -> bool:
         """Whether, with these settings, the drafter's trees depend on positions alone
         (`position_table`), so steps can be drafted on the device (specdec/chaining.py)."""

@@ -1,7 +1,13 @@
 """A smaller model with the target's tokenizer, run with its own paged KV cache.
 
 Each step it catches its KV up with the sequence (the tokens the target accepted since last
-time), then decodes k tokens for all its requests in batched forward passes. Chain mode samples
+time), then decodes k tokens for all its requests in batched forward passes. It starts on a
+sequence from its last `context` tokens at most (positions as in the sequence): on a CPU the
+draft model reads a prompt at ~1.6 ms a token, so a 1,536-token code prompt read whole cost
+2.4 s and left speculation at 0.41x plain decoding over 96 tokens, where its last 256 tokens
+cost 0.4 s and gave 0.74x at tau 2.59 against 2.91 (fixed depth 4; HumanEval's prompts, 80-120
+tokens, are read whole either way; bench/results/cpu_draft_context_20261203.json). Where it
+has fallen further behind (steps it sat out), it starts again the same way. Chain mode samples
 each token from the draft distribution (the request's own sampling transforms applied) and
 reports that distribution; tree mode adds, at every depth, the next `branches - 1` most likely
 tokens as deterministic siblings of the chain's node.
@@ -27,10 +33,12 @@ from verify_kernels.reference import sample_inverse_cdf
 
 @register
 class DraftModelDrafter(Drafter):
-    """Options: `branches` (default 1: a chain)."""
+    """Options: `branches` (default 1: a chain), `context` (the most tokens of a sequence it
+    reads when it starts on one, default DRAFT_CONTEXT)."""
 
     name = "draft_model"
-    options = {"draft_model": Option(str), "branches": Option(int, 1, 8)}
+    options = {"draft_model": Option(str), "branches": Option(int, 1, 8),
+               "context": Option(int, 16, 1 << 20)}
 
     def __init__(self, draft_model: str, target: ModelConfig, cache: CacheConfig,
                  target_vocab: dict[str, int] | None = None,
@@ -64,22 +72,33 @@ class DraftModelDrafter(Drafter):
         self.vocab_size = mc.vocab_size
         self.last_catch_up = 0  # tokens fed before the first draft of the last proposal
         self._seqs: dict[str, Sequence] = {}
+        self._start: dict[str, int] = {}  # the sequence position its draft state starts at
         # Per request after propose: (tokens up to the root, chain tokens whose KV was computed).
         self._fed: dict[str, tuple[int, list[int]]] = {}
 
     def max_nodes(self, k: int, options: dict[str, Any]) -> int:
         return k * max(1, int(options.get("branches", 1)))
 
-    def _state(self, r: DraftRequest) -> Sequence:
-        s = self._seqs.get(r.request_id)
+    def catch_up_tokens(self, behind: int, options: dict[str, Any]) -> int:
+        return min(behind, _context(options))
+
+    def _state(self, r: DraftRequest) -> tuple[Sequence, int]:
+        """The draft's sequence for `r` (its tokens from `start` on) and `start`."""
+        rid, window = r.request_id, _context(r.options)
+        s = self._seqs.get(rid)
+        if s is not None and len(r.tokens) - self._start[rid] - s.num_computed > window:
+            self.release(rid)  # further behind than a fresh start would read
+            s = None
         if s is None:
-            s = self._seqs[r.request_id] = Sequence(r.request_id, [], r.params)
+            s = self._seqs[rid] = Sequence(rid, [], r.params)
+            self._start[rid] = max(0, len(r.tokens) - window)
             self.blocks.allocate_prefix(s)
-        s.prompt_token_ids = list(r.tokens)
-        return s
+        start = self._start[rid]
+        s.prompt_token_ids = r.tokens[start:]
+        return s, start
 
     def propose(self, batch: list[DraftRequest]) -> DraftTree:
-        states = [self._state(r) for r in batch]
+        states, starts = zip(*(self._state(r) for r in batch)) if batch else ((), ())
         depth = [min(r.k, r.max_nodes // max(1, int(r.options.get("branches", 1))))
                  for r in batch]
         # Tokens each sequence feeds this pass: first its catch-up chunk (ending at the root).
@@ -97,8 +116,9 @@ class DraftModelDrafter(Drafter):
             segs = []
             for i in active:
                 s, f = states[i], feed[i]
+                at = starts[i] + s.num_computed
                 segs.append(Segment(
-                    tokens=f, positions=list(range(s.num_computed, s.num_computed + len(f))),
+                    tokens=f, positions=list(range(at, at + len(f))),
                     slots=[self.blocks.slot(s, s.num_computed + j) for j in range(len(f))],
                     context_len=s.num_computed, block_table=s.block_table,
                     logits_rows=(len(f) - 1,)))
@@ -155,6 +175,7 @@ class DraftModelDrafter(Drafter):
 
     def release(self, request_id: str) -> None:
         self._fed.pop(request_id, None)
+        self._start.pop(request_id, None)
         s = self._seqs.pop(request_id, None)
         if s is not None:
             self.blocks.free_seq(s)
@@ -162,6 +183,11 @@ class DraftModelDrafter(Drafter):
 
 DRAFT_QUANTIZATION = "int4"
 DRAFT_VOCAB = 32768
+DRAFT_CONTEXT = 256  # bench/results/cpu_draft_context_20261203.json
+
+
+def _context(options: dict[str, Any]) -> int:
+    return int(options.get("context", DRAFT_CONTEXT))
 
 
 def special_token_ids(path: str | None) -> list[int]:

@@ -149,7 +149,8 @@ class Drafting:
         stale model drafter's catch-up)."""
         d = self.drafter(s)
         survival = self.controller.survival(r.request_id, s.method, s.k)
-        behind = 0 if d.proposes_by_lookup else self._behind(r, s)
+        behind = 0 if d.proposes_by_lookup else d.catch_up_tokens(self._behind(r, s),
+                                                                  s.options)
         left = r.seq.params.max_tokens - len(r.seq.output_token_ids)
         return Alternative(s.method, s.k, d.max_nodes(1, s.options), survival,
                            d.proposes_by_lookup, behind > 2,

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from drafters.base import DraftRequest
 from specdec import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -92,6 +93,32 @@ def test_mixed_drafters_in_one_batch_of_8(tiny_llama, tiny_draft, reference):
     assert outs[4].spec is None
     assert outs[5].spec.tau > 3.0  # a self-draft accepts every token
     assert llm.engine.blocks.num_used == 0
+
+
+def test_a_draft_model_reading_a_window_of_the_sequence_keeps_outputs(tiny_llama, reference):
+    # The target as its own draft model, reading at most the last 16 tokens when it starts on
+    # a sequence (at their own positions): outputs stay plain greedy's, and where it falls
+    # further behind than 16 tokens it starts again from the last 16.
+    spec = {"method": "draft_model", "draft_model": str(tiny_llama),
+            "num_speculative_tokens": 4, "context": 16}
+    llm = LLM(model=str(tiny_llama), speculative=spec)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.spec.draft_tokens > 0 for o in outs)
+    d = llm.engine.drafting.drafter(llm.engine.drafting.resolve(None))
+    assert d.catch_up_tokens(100, {"context": 16}) == 16 and d.catch_up_tokens(5, {}) == 5
+
+    def propose(tokens: list[int]) -> int:
+        d.propose([DraftRequest("x", tokens, 4, 4, {"context": 16}, GREEDY)])
+        return d.last_catch_up
+
+    seq = [i % 40 + 1 for i in range(100)]
+    assert propose(seq[:40]) == 16  # a 40-token prompt: its last 16
+    d.accepted("x", 41, [])  # none of the draft kept
+    assert propose(seq[:41]) == 1  # the next token only
+    assert propose(seq[:90]) == 16  # 49 behind: started again
+    d.release("x")
+    assert llm.engine.blocks.num_used == 0 and d.blocks.num_used == 0
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["stepwise", "overlap"])
