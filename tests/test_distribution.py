@@ -116,10 +116,14 @@ def test_continuations_follow_the_target(llm, models, case, monkeypatch):
     if spec.get("adaptive") or spec["method"] == "auto":
         # Costs as on a GPU at small batch (more rows and drafting nearly free): the
         # controller then drafts, so the test is not vacuous, and depths and drafters still
-        # change from step to step (probes, acceptance).
+        # change from step to step (probes, acceptance). Every cost is set, the host work of
+        # drafted steps too: the earlier cases' real steps would otherwise be read against
+        # this pass time, as this machine's speed happens to make them.
         costs = llm.engine.drafting.controller.costs
         monkeypatch.setattr(costs, "pass_time", lambda rows: 1.0 + 1e-4 * rows)
         monkeypatch.setattr(costs, "draft_time", lambda method, batch, depth: 1e-3 * depth)
+        monkeypatch.setattr(costs, "spec_time", lambda speculating: 1e-6 * speculating)
+        monkeypatch.setattr(costs, "catch_up_time", lambda method, tokens: 1e-6 * tokens)
     counts, drafted, accepted = sample(llm, spec, seed=1000 * len(case), **kw)
     if spec["method"] != "none":  # drafts were proposed and accepted: the test is not vacuous
         assert drafted > REQUESTS // 2 and accepted > REQUESTS // 20
