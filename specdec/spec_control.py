@@ -200,12 +200,12 @@ def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: 
               for j in range(limits[-1][i])])
     per_seq = (host(n) - host(1)) / (n - 1) if n > 1 else 0.0
     if per_seq > 0 or any(a.start for a in alts):
-        top = max(f[0] for f in found)  # prices a sequence's host work and start, in tokens
+        first_best = max(f[0] for f in found)  # prices host work and starts, in tokens
         for limit in limits:
             items = []
             for i, a in enumerate(alts):
                 gains = itertools.accumulate(a.survival[:limit[i]])
-                price = top * (per_seq + a.start)
+                price = first_best * (per_seq + a.start)
                 bundle, value = max(((d, (g - price) / (d * a.width))
                                      for d, g in enumerate(gains, 1)),
                                     key=lambda t: t[1], default=(0, 0.0))
