@@ -166,7 +166,6 @@ def _load(args: argparse.Namespace, progress: Progress) -> Any:
     compiles and chooses the CPU kernels, or captures the CUDA graphs)."""
     from specdec.engine import LLMEngine
     from specdec.hub import PRESETS, default_draft_for, pull
-    from specdec.sampling_params import SamplingParams
 
     kw = engine_kwargs(args)
     spec = kw.get("speculative")
@@ -195,9 +194,7 @@ def _load(args: argparse.Namespace, progress: Progress) -> Any:
         engine.calibrate_costs()
         log.info("step costs measured in %.1f s", time.monotonic() - t0)
     progress.enter("warming up")
-    engine.add_request("warm-up", [0], SamplingParams(max_tokens=4, temperature=0.0))
-    while engine.has_unfinished():
-        engine.step()
+    engine.warm_up()
     return engine
 
 

@@ -154,6 +154,7 @@ class Drafting:
         left = r.seq.params.max_tokens - len(r.seq.output_token_ids)
         return Alternative(s.method, s.k, d.max_nodes(1, s.options), survival,
                            d.proposes_by_lookup, behind > 2,
+                           self.controller.costs.catch_up_time(s.method, behind),
                            self.controller.start_cost(s.method, behind, left, survival))
 
     def _behind(self, r: Request, spec: Speculation) -> int:

@@ -236,6 +236,18 @@ class LLMEngine:
                                  functools.partial(costs.calibrate_drafter, drafter.name))
         return curve
 
+    def warm_up(self) -> None:
+        """One short generation (it compiles and chooses the CPU kernels, or captures the
+        CUDA graphs), whose acceptance the speculation controller then forgets: drafting for a
+        one-token prompt says nothing of real traffic, and one rejection there had the
+        controller keep a draft model off for every request after it. The server calls this
+        before it reports ready."""
+        self.add_request("warm-up", [0], SamplingParams(max_tokens=4, temperature=0.0))
+        while self.has_unfinished():
+            self.step()
+        self.drafting.controller.forget_evidence()
+        self.drafting.totals.clear()
+
     def abort_request(self, request_id: str) -> None:
         r = self.requests.get(request_id)
         if r is not None:

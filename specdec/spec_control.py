@@ -37,8 +37,11 @@ plain decoding's predicted rate by MARGIN. Every PROBE_EVERY steps one sequence,
 drafts one deeper than chosen (an `auto` one, every other time, with its other drafter): the
 costs and acceptance next to each choice are measured again at the price of one row, and a
 sequence whose speculation was turned off gets fresh evidence, so no choice is final. A probe
-never starts a model drafter that is behind on a sequence (it would first feed everything it
-missed, a prefill of the whole context for a sequence it never drafted for).
+starts a model drafter that is behind on a sequence (it would first feed everything it missed,
+a prefill of the context for a sequence it never drafted for) only where that catch-up costs
+no more than a plain step: a new request with a short prompt still gets evidence of its own
+when its drafter's profile over every request says no (else one bad stretch of traffic would
+keep the drafter off for every request after it).
 
 `auto` requests carry several drafters. Each step a sequence takes the drafter with the higher
 expected tokens per unit of cost; when that is a lookup drafter (n-gram) it comes with the best
@@ -118,8 +121,10 @@ class Alternative:
     survival: list[float]
     lookup: bool = False  # a lookup drafter: free, but it may find nothing to propose
     # A model drafter behind on this sequence's tokens (it has not drafted for it lately): its
-    # next proposal first feeds all it missed, so a probe does not start it.
+    # next proposal first feeds all it missed, `catch_up` seconds beyond a usual one (0.0 where
+    # its pass is not calibrated), so a probe starts it only where that is cheap.
     stale: bool = False
+    catch_up: float = 0.0
     # Seconds a step costs on top while this sequence drafts: a stale drafter's catch-up (a
     # prefill of the prompt, for a new request) spread over the steps the sequence has left
     # (`SpeculationController.start_cost`).
@@ -318,12 +323,13 @@ class SpeculationController:
             self._probe += 1
             i = self._probe % len(cands)
             c = cands[i]
+            step = passes(base_rows + len(cands))
             if len(c.alternatives) > 1 and (self._probe // len(cands)) % 2:
                 other = (picks[i] + 1) % len(c.alternatives)
-                if not c.alternatives[other].stale:
+                if _startable(c.alternatives[other], step):
                     picks[i] = other
                     ks[i] = min(max(1, ks[i]), c.alternatives[other].max_k)
-            elif ks[i] > 0 or not alts[i].stale:
+            elif ks[i] > 0 or _startable(alts[i], step):
                 ks[i] = min(ks[i] + 1, alts[i].max_k)
             alts[i] = c.alternatives[picks[i]]
         out = {c.request_id: Choice(p, k) for c, p, k in zip(cands, picks, ks)}
@@ -347,6 +353,14 @@ class SpeculationController:
             self._pending[c] = (a.method, 1 + sum(a.survival[:ch.k]))
         self._all_off = all(ch.k == 0 and ch.fallback is None for ch in out.values())
         return out
+
+    def forget_evidence(self) -> None:
+        """Drop every acceptance profile and the stats, keeping the costs: what a warm-up
+        generation taught says nothing of the traffic that follows it."""
+        self._seqs.clear()
+        self._drafters.clear()
+        self._pending.clear()
+        self.stats.clear()
 
     @property
     def resting(self) -> bool:
@@ -396,3 +410,9 @@ class SpeculationController:
     def _fallback(c: Candidate, picked: int) -> int | None:
         others = [i for i, a in enumerate(c.alternatives) if i != picked and not a.lookup]
         return others[0] if others else None
+
+
+def _startable(a: Alternative, step: float) -> bool:
+    """Whether a probe may draft with `a`: its drafter is not behind, or its catch-up costs
+    no more than a plain step of `step` seconds."""
+    return not a.stale or a.catch_up <= step

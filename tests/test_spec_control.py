@@ -12,6 +12,7 @@ from test_cost_model import _cached_curve, _never
 from specdec import LLM, SamplingParams
 from specdec.cost_model import CALIBRATION_ROWS
 from specdec.spec_control import (
+    PRIOR_ACCEPT,
     PROBE_EVERY,
     Acceptance,
     Alternative,
@@ -147,7 +148,7 @@ def test_a_draft_model_behind_a_long_prompt_starts_only_where_the_tokens_left_re
 
     def k(left: int) -> int:
         a = Alternative("draft_model", 4, 1, s, False, True,
-                        c.start_cost("draft_model", 1000, left, s))
+                        start=c.start_cost("draft_model", 1000, left, s))
         return c.choose(4, 3, [Candidate("r", [a])])["r"].k
 
     assert k(8) == 0 and k(4000) > 0
@@ -256,6 +257,28 @@ def test_acceptance_zero_turns_speculation_off_and_recovers():
     assert depth() > 0
 
 
+def test_probes_start_a_drafter_behind_on_a_sequence_only_where_its_catch_up_is_cheap():
+    # The drafter's profile over every request says no (a stretch of bad traffic): a new
+    # request, which its draft model has not read, gets evidence of its own only from probes.
+    c = SpeculationController()
+    for rows in (1, 2, 3, 4, 5):
+        c.record_pass(rows, 1.0 + 0.3 * (rows - 1))
+    for _ in range(20):
+        c.verified("old", "draft_model", 4, 0, 1)
+
+    def probed(catch_up: float) -> int:
+        s = c.survival("new", "draft_model", 4)
+        a = Alternative("draft_model", 4, 1, s, False, True, catch_up)
+        return sum(c.choose(1, 0, [Candidate("new", [a])])["new"].k > 0
+                   for _ in range(PROBE_EVERY * 2))
+
+    assert probed(0.5) == 2  # a short prompt: cheaper than a step, so probes start it
+    assert probed(5.0) == 0  # a long one: never started by a probe
+    c.forget_evidence()
+    assert c.survival("new", "draft_model", 4) == geometric(PRIOR_ACCEPT, 4)
+    assert c.stats == {}
+
+
 def test_host_work_per_drafting_sequence_turns_speculation_off_and_back_on():
     # A GPU at batch 16: more rows nearly free, so only the host work of each drafting
     # sequence (made dear for a while) can make speculation lose to plain decoding.
@@ -335,3 +358,15 @@ def test_engine_records_how_many_sequences_of_a_step_drafted(tiny_llama, monkeyp
         assert all(rows >= 2 * s for rows, s in steps)  # a root and a draft node at least
         drafted = sum(1 for _, s in steps if s)
         assert drafted == 0 if method == "none" else drafted > 0
+
+
+def test_warm_up_leaves_the_costs_and_forgets_the_acceptance(tiny_llama):
+    llm = LLM(model=str(tiny_llama), speculative={"method": "ngram"},
+              adaptive_speculation=True)
+    c = llm.engine.drafting.controller
+    c.verified("earlier", "ngram", 4, 0, 1)
+    llm.engine.warm_up()
+    assert c.costs.measured  # the warm-up's steps were timed ...
+    assert c.survival("next", "ngram", 4) == geometric(PRIOR_ACCEPT, 4)  # ... nothing else kept
+    assert c.stats == {} and llm.engine.spec_totals == {}
+    assert not llm.engine.has_unfinished()
