@@ -18,11 +18,12 @@ eagerly from them).
 
 Which steps: plain decodes of requests that do not speculate, greedy or sampled; or greedy draft
 trees of one shape for every sequence (chains included), all from drafters of one device source;
-no penalties, logprobs, hidden-state capture or adaptive depth, except that plain steps of
-adaptive requests chain while the goodput controller has every one at depth 0 and no probe is
-due (a host-planned step of the same plain work costs its host time on a GPU: at batch 16 an
-8B-shape step took 9.3 ms so against 4.6 ms chained). Blocks for two steps ahead are
-reserved before each launch. A sequence that stops at step n has its step n + 1 work dropped;
+no penalties, logprobs or hidden-state capture. Adaptive requests chain while the goodput
+controller holds its last choice (no probe in it, the next one not yet due) and that choice
+gives every one the same depth, 0 included: a host-planned step of the same work costs its host
+time on a GPU (at batch 16 an 8B-shape plain step took 9.3 ms so against 4.6 ms chained; at
+batch 32 host-planned drafted steps cost 8.7-9.3 ms beyond a plain step's 5.2 ms, more than
+fixed k = 4 chained cost in all). Blocks for two steps ahead are reserved before each launch. A sequence that stops at step n has its step n + 1 work dropped;
 the next launch leaves it out (its rows are gathered away), so the chain runs on as the batch
 shrinks. A new, aborted or preempted request ends it, and the engine steps from the host.
 
@@ -93,10 +94,11 @@ class Chainer:
                                     and self.runner.device.type == "cuda"):
             return None
         pars0 = drafts[0].parents
+        held = self.drafting.controller.holding
         kinds = set()
         for d, r in zip(drafts, reqs):
             if (not d.tokens or d.parents != pars0 or d.probs is not None
-                    or not r.seq.params.greedy or r.spec.adaptive):
+                    or not r.seq.params.greedy or (r.spec.adaptive and not held)):
                 return None
             kinds.add(self.drafting.device_kind(r))
         if len(kinds) != 1 or None in kinds:
@@ -148,10 +150,11 @@ class Chainer:
         seqs = [row.req.seq for row in step.rows if not row.req.seq.is_finished]
         if len(seqs) != len(scheduler.running) or not self._fits(seqs, c.shape):
             return False
-        if not c.shape.parents and any(row.req.spec.on for row in step.rows):
-            # Adaptive requests the controller put at depth 0: plain steps chain on while it
-            # rests, each counted towards its next probe, which is planned on the host.
-            if not self.drafting.controller.rest_step():
+        if any(row.req.spec.adaptive for row in step.rows):
+            # Adaptive requests at the depths the controller chose (0 included): steps chain on
+            # while it holds that choice, each counted towards its next probe, which is
+            # planned on the host.
+            if not self.drafting.controller.hold_step():
                 return False
         # A sequence that `step` ends (by length or a stop) has its successor's work dropped
         # and leaves the chain after it: no reason to stop chaining for it.

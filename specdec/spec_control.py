@@ -41,7 +41,10 @@ starts a model drafter that is behind on a sequence (it would first feed everyth
 a prefill of the context for a sequence it never drafted for) only where that catch-up costs
 no more than a plain step: a new request with a short prompt still gets evidence of its own
 when its drafter's profile over every request says no (else one bad stretch of traffic would
-keep the drafter off for every request after it).
+keep the drafter off for every request after it). Between probes the choice is held: where it
+gives every sequence the same depth and the drafts can be made on the device, the engine chains
+those steps there without asking (specdec/chaining.py), and their acceptance and cost are
+recorded as any step's.
 
 `auto` requests carry several drafters. Each step a sequence takes the drafter with the higher
 expected tokens per unit of cost; when that is a lookup drafter (n-gram) it comes with the best
@@ -254,6 +257,7 @@ class SpeculationController:
         self._since_probe = 0
         self._probe = 0
         self._all_off = False  # the last choice gave every candidate depth 0
+        self._held = False  # the last choice had no probe in it: it may be held
 
     # -- what the controller learns -----------------------------------------------------------
     def record_pass(self, rows: int, seconds: float, speculating: int = 0) -> None:
@@ -304,7 +308,7 @@ class SpeculationController:
     def choose(self, base_rows: int, plain: int, cands: list[Candidate]) -> dict[str, Choice]:
         """Per candidate: its drafter and depth. `base_rows`: the step's rows before any draft
         node; `plain`: sequences in it that decode without speculating."""
-        self._all_off = False
+        self._all_off = self._held = False
         if not cands:
             return {}
         if not self.costs.measured:
@@ -315,7 +319,8 @@ class SpeculationController:
         alts = [c.alternatives[p] for c, p in zip(cands, picks)]
         ks, _ = best_depths(alts, base_rows, plain, passes, drafts, TIE, MARGIN, host)
         self._since_probe += 1
-        if self._since_probe >= PROBE_EVERY:
+        self._held = self._since_probe < PROBE_EVERY
+        if not self._held:
             # One sequence, in turn, drafts one deeper than chosen (or, every other time for
             # an `auto` one, with its other drafter): the costs and acceptance next to the
             # choice are measured again, cheaply, so no choice is final.
@@ -363,16 +368,22 @@ class SpeculationController:
         self.stats.clear()
 
     @property
-    def resting(self) -> bool:
-        """Whether the last choice drafted for no one and the next probe is not due: until it
-        is, nothing new can be learnt, so the engine may chain plain steps on the device
-        without asking (specdec/chaining.py), counting each with `rest_step`."""
-        return self._all_off and self._since_probe + 1 < PROBE_EVERY
+    def holding(self) -> bool:
+        """Whether the last choice had no probe in it and the next probe is not due: until it
+        is, the engine may take steps of the same depths on the device without asking
+        (specdec/chaining.py), counting each with `hold_step`. Acceptance is still recorded
+        from every step, and the next choice plans with it."""
+        return self._held and self._since_probe + 1 < PROBE_EVERY
 
-    def rest_step(self) -> bool:
-        """A plain step taken without a choice while resting: it counts towards the next
-        probe. False when the controller is not resting (the step is planned on the host)."""
-        if not self.resting:
+    @property
+    def resting(self) -> bool:
+        """Whether the choice held drafts for no one (plain steps chain then)."""
+        return self._all_off and self.holding
+
+    def hold_step(self) -> bool:
+        """A step taken with the last choice's depths, without a choice: it counts towards the
+        next probe. False when the choice may not be held (the step is planned on the host)."""
+        if not self.holding:
             return False
         self._since_probe += 1
         return True

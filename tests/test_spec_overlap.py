@@ -233,3 +233,31 @@ def test_advanced_inputs_match_the_host_packing(q, parents):
     w64, w32 = packed(want)
     assert ids.tolist() == want_tokens and slots.tolist() == [x.slots for x in want]
     assert torch.equal(d64, w64) and torch.equal(d32, w32)
+
+
+def test_adaptive_requests_chain_drafted_steps_while_the_controller_holds(tiny_llama, plain,
+                                                                          monkeypatch):
+    """Rows made free: the controller gives every sequence the same depth, and the steps of
+    that choice chain until the next probe, which is planned on the host; outputs are plain
+    decoding's."""
+    from specdec import spec_control
+    from specdec.cost_model import CostModel
+
+    monkeypatch.setattr(CostModel, "pass_time", lambda self, rows: 1.0)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=48, speculative={
+        "method": "replay", "num_speculative_tokens": 3, "corrupt_rate": 0.0,
+        "adaptive": True})
+
+    def run() -> tuple[int, dict]:
+        lm = llm(tiny_llama, True)
+        outs = lm.generate(PROMPTS, params)
+        assert summary(outs) == summary(plain)
+        assert lm.engine.in_flight is None and lm.engine.blocks.num_used == 0
+        stats = lm.engine.drafting.controller.stats["replay"].to_dict()
+        return lm.engine.chainer.chained_steps, stats["depth_histogram"]
+
+    chained, depths = run()
+    assert chained >= 6 and max(depths, key=depths.get) == "3"  # drafted 3 deep, chained
+    monkeypatch.setattr(spec_control, "PROBE_EVERY", 3)
+    few, _ = run()
+    assert 0 < few < chained  # a host-planned step at every probe
