@@ -25,7 +25,8 @@ time on a GPU (at batch 16 an 8B-shape plain step took 9.3 ms so against 4.6 ms 
 batch 32 host-planned drafted steps cost 8.7-9.3 ms beyond a plain step's 5.2 ms, more than
 fixed k = 4 chained cost in all). Blocks for two steps ahead are reserved before each launch.
 A sequence that stops at step n has its step n + 1 work dropped; the next launch leaves it out
-(its rows are gathered away), so the chain runs on as the batch shrinks. A new, aborted or preempted request ends it, and the engine steps from the host.
+(its rows are gathered away), so the chain runs on as the batch shrinks. A new, aborted or
+preempted request ends it, and the engine steps from the host.
 
 Greedy acceptance on the device (verdict.accept_greedy) is the host's rule, and the accepted
 path's KV moves to consecutive slots on the device (`ModelRunner.move_kv_device`), as the
