@@ -260,10 +260,12 @@ class SpeculationController:
         self._held = False  # the last choice had no probe in it: it may be held
 
     # -- what the controller learns -----------------------------------------------------------
-    def record_pass(self, rows: int, seconds: float, speculating: int = 0) -> None:
+    def record_pass(self, rows: int, seconds: float, speculating: int = 0,
+                    chained: bool = False) -> None:
         """A step over `rows` query rows took `seconds`, its drafters' time left out;
-        `speculating` of its sequences had a draft verified."""
-        self.costs.record_pass(rows, seconds, speculating)
+        `speculating` of its sequences had a draft verified; `chained`: the next step was
+        launched from its verdict on the device, without the host planning it."""
+        self.costs.record_pass(rows, seconds, speculating, chained)
 
     def record_draft(self, method: str, batch: int, depth: int, seconds: float,
                      catch_up: int = 1) -> None:

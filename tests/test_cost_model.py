@@ -124,3 +124,25 @@ def test_a_calibration_spike_is_cut_to_the_cheapest_larger_size(tmp_path):
     c = CostModel()
     curve = c.calibrate(_never, 8, _cached_curve(tmp_path, "t.json", spiky.__getitem__))
     assert curve[6] == 0.04 and curve[5] == 0.036 and curve[8] == 0.04
+
+
+def test_chained_steps_price_their_rows_in_the_batched_shape(tmp_path):
+    # The calibration's one segment jumps at 96 rows; 16 sequences drafting 8 deep, chained,
+    # cost far less than it says. Their time prices those rows, interpolated down to the
+    # plain batch, and leaves them no extra; a host-planned drafted step keeps its own.
+    from specdec.cost_model import CALIBRATION_ROWS
+
+    c = CostModel()
+    c.calibrate(_never, 128, _cached_curve(tmp_path, "c.json",
+                                           lambda r: 0.004 if r <= 64 else 0.016,
+                                           CALIBRATION_ROWS))
+    c.record_pass(16, 0.0046)
+    assert c.pass_time(144) == pytest.approx(0.0166)  # the calibration's, offset
+    c.record_pass(144, 0.0102, 16, chained=True)
+    assert c.pass_time(144) == pytest.approx(0.0102)
+    assert c.pass_time(80) == pytest.approx(0.0046 + 0.0056 * 64 / 128)
+    assert c.spec_time(16) == pytest.approx(0.0)
+    for _ in range(3):
+        c.record_pass(144, 0.0192, 16)  # planned on the host: 9 ms more
+    assert c.pass_time(144) == pytest.approx(0.0102)
+    assert c.spec_time(16) == pytest.approx(0.009)

@@ -349,13 +349,15 @@ def test_engine_records_how_many_sequences_of_a_step_drafted(tiny_llama, monkeyp
                                                      "num_speculative_tokens": 3})
         steps: list[tuple[int, int]] = []
 
-        def record(rows: int, seconds: float, speculating: int = 0, add=steps.append) -> None:
+        def record(rows: int, seconds: float, speculating: int = 0, chained: bool = False,
+                   add=steps.append) -> None:
             add((rows, speculating))
 
         monkeypatch.setattr(llm.engine.drafting.controller, "record_pass", record)
         llm.generate(prompts, p)
         assert steps and all(0 <= s <= len(prompts) for _, s in steps)
         assert all(rows >= 2 * s for rows, s in steps)  # a root and a draft node at least
+        assert all(rows <= len(prompts) * 7 for rows, _ in steps)  # no prefill (20 rows)
         drafted = sum(1 for _, s in steps if s)
         assert drafted == 0 if method == "none" else drafted > 0
 
