@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--budget-s", type=float, default=540.0)
+    ap.add_argument("--drafters", default="", help="profiles of these drafters only "
+                    "(comma-separated; default: every one)")
     a = ap.parse_args()
     t_start = time.monotonic()
     out = Path(a.out)
@@ -101,6 +103,8 @@ def main() -> None:
             replay.record(p, o)
         for ds, per in profiles.items():
             for drafter, prof in per.items():
+                if a.drafters and drafter not in a.drafters.split(","):
+                    continue
                 if time.monotonic() - t_start > a.budget_s:
                     log("budget spent: stopping")
                     save()
@@ -121,6 +125,10 @@ def main() -> None:
                     if name == "controller":  # what it chose, and the costs it planned with
                         row.setdefault("controller_runs", []).append(
                             _controller_detail(engine, before, batch, a.k_max, run.rate))
+                    else:  # the real steps' times by rows after each fixed-k run
+                        passes = engine.drafting.controller.costs.passes.best
+                        row.setdefault("real_pass_ms", {})[name] = {
+                            str(r): round(v * 1e3, 3) for r, v in sorted(passes.items())}
                     if run.outputs != plain.outputs:
                         res["mismatches"].append(f"b={batch} {ds} {drafter} {name}")
                     if run.rate > row["tok_s"].get(name, 0.0):
