@@ -126,16 +126,26 @@ class CostModel:
         """A real step over `rows` query rows took `seconds` (its drafting left out);
         `speculating` of its sequences verified a draft. A `chained` step (its successor
         launched from its verdict on the device, specdec/chaining.py) has no host work of its
-        own to speak of, drafted or not, so its time is the pass's at its rows, in the batched
-        shape the calibration does not time (one segment there: on an H200 it read 16 ms at 144
-        rows where 16 sequences drafting 8 deep took 10.2); its speculating sequences still
-        count, at that extra, towards what drafting costs beyond the pass."""
+        own to speak of, drafted or not, so its time is the pass's at its rows; its speculating
+        sequences still count, at that extra, towards what drafting costs beyond the pass.
+        A drafted step planned on the host is split: what it took beyond the pass so far priced
+        is its sequences' extra, and what it took beyond the extra so far fitted is the pass's.
+        Its rows come in the batched shape the calibration does not time (one segment there:
+        on an H200 it read 20 ms at 144 rows where 16 sequences drafting 8 deep took 10.5 ms
+        in all), so without this a drafted batch's rows would be priced by that one segment
+        for good. The split settles where the pass takes what the rows cost and the extra what
+        is left; where only one count of drafting sequences is seen it cannot tell them
+        apart, and only their sum is priced, which is what a plan of that batch needs."""
         self._steps += 1
         self._line = None
         if speculating == 0 or chained:
             self.passes.record(rows, seconds)
         if speculating > 0:
             self._extra.append((self._steps, speculating, seconds - self.pass_time(rows)))
+            if not chained:
+                self._line = None
+                self.passes.record(rows, seconds - self.spec_time(speculating))
+                self._line = None
 
     def knows(self, rows: int) -> bool:
         return rows in self.passes.best or rows in self.calibration.best
