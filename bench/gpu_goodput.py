@@ -63,6 +63,9 @@ def main() -> None:
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--budget-s", type=float, default=540.0)
+    ap.add_argument("--fresh-costs", action="store_true",
+                    help="each controller run starts from the calibration alone, as a server "
+                         "just started does (else it also has every earlier run's steps)")
     ap.add_argument("--drafters", default="", help="profiles of these drafters only "
                     "(comma-separated; default: every one)")
     a = ap.parse_args()
@@ -119,6 +122,9 @@ def main() -> None:
                 # graph or tune a kernel inside its timed window.
                 for name, extra in [(n, e) for _ in range(2) for n, e in cells.items()]:
                     spec = {"method": "replay", "survival": surv, **extra}
+                    if name == "controller" and a.fresh_costs:
+                        engine.drafting.controller.costs.forget_steps()
+                        engine.drafting.controller.forget_evidence()
                     before = _depths(engine)
                     run = run_requests(engine, prompts, spec, a.max_tokens,
                                        f"{ds}{drafter}{batch}{name}{time.monotonic_ns()}")

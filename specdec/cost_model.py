@@ -147,6 +147,15 @@ class CostModel:
                 self.passes.record(rows, seconds - self.spec_time(speculating))
                 self._line = None
 
+    def forget_steps(self) -> None:
+        """Drop what real steps and proposals taught, keeping the calibrations: the costs of
+        an engine that has just started."""
+        self.passes = Curve(typical=True)
+        self.drafts.clear()
+        self._extra.clear()
+        self._steps = 0
+        self._line = None
+
     def knows(self, rows: int) -> bool:
         return rows in self.passes.best or rows in self.calibration.best
 

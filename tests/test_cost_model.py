@@ -163,3 +163,5 @@ def test_host_planned_drafted_steps_correct_a_calibration_that_overprices_their_
         c.record_pass(144, 0.0105, 16)
     assert c.pass_time(144) + c.spec_time(16) == pytest.approx(0.0105, rel=0.02)
     assert c.pass_time(144) < 0.011
+    c.forget_steps()  # a fresh start: the calibration's price again
+    assert c.pass_time(144) == pytest.approx(0.020) and c.spec_time(16) == 0.0
