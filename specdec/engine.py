@@ -81,6 +81,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids)))
         self.token_pieces = TokenPieces(self.tokenizer, self.eos_token_ids)  # infill sampler
         self.drafting = Drafting(config.speculative, self._build_drafter, adaptive_speculation)
+        self.drafting.controller.uniform = self.runner.graphs is not None
         self.outputs = OutputBuilder(set(self.eos_token_ids))
         self.committer = StepCommitter(self.runner, self.blocks, self.scheduler, self.drafting,
                                        self.outputs, self.max_model_len)

@@ -231,6 +231,39 @@ def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: 
     return ks, rate
 
 
+def uniform_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: PassTime,
+                   draft_time: DraftTime, tie: float = 0.0, margin: float = 0.0,
+                   spec_time: SpecTime | None = None) -> tuple[list[int], float]:
+    """`best_depths` for a runner that pads every sequence of a step to the deepest one's rows
+    (CUDA graph buckets are B sequences of Q rows): one depth k for the batch, each sequence
+    at min(k, its max_k), the k with the highest rate; none where speculation does not beat
+    plain decoding by `margin`. Mixed depths there pay the deepest's rows for every sequence
+    (on the H200 at batch 16 the controller's steps of depths 3 to 8 cost 11.5 ms where
+    fixed k = 4 cost 7.3 ms at about the same tau). `tie` as in best_depths."""
+    n = len(alts)
+    host = spec_time or (lambda s: 0.0)
+    plain_rate = (plain + n) / max(1e-12, pass_time(base_rows))
+    found = [(plain_rate, float(plain + n), [0] * n)]
+    for k in range(1, max((a.max_k for a in alts), default=0) + 1):
+        ks = [min(k, a.max_k) for a in alts]
+        gain = float(plain + n) + sum(sum(a.survival[:d]) for a, d in zip(alts, ks))
+        rows = base_rows + sum(d * a.width for a, d in zip(alts, ks))
+        deepest: dict[str, tuple[int, int]] = {}  # method -> (drafting, depth)
+        for a, d in zip(alts, ks):
+            if d:
+                cnt, dep = deepest.get(a.method, (0, 0))
+                deepest[a.method] = (cnt + 1, max(dep, d))
+        cost = pass_time(rows) + host(sum(1 for d in ks if d)) + sum(
+            a.start for a, d in zip(alts, ks) if d)
+        cost += sum(draft_time(m, cnt, dep) for m, (cnt, dep) in deepest.items())
+        found.append((gain / cost if cost > 0 else gain, gain, ks))
+    top = max(f[0] for f in found)
+    if top <= (1 + margin) * plain_rate:
+        return [0] * n, plain_rate
+    rate, _, ks = max((f for f in found if f[0] >= (1 - tie) * top), key=lambda f: (f[1], f[0]))
+    return ks, rate
+
+
 @dataclass
 class ControlStats:
     """Per drafter: chosen depths, and the tokens the controller predicted against those the
@@ -258,6 +291,9 @@ class SpeculationController:
         self._probe = 0
         self._all_off = False  # the last choice gave every candidate depth 0
         self._held = False  # the last choice had no probe in it: it may be held
+        # The runner pads a step's sequences to the deepest (CUDA graphs): one depth for all
+        # (uniform_depths), and a probe takes the whole batch one deeper.
+        self.uniform = False
 
     # -- what the controller learns -----------------------------------------------------------
     def record_pass(self, rows: int, seconds: float, speculating: int = 0,
@@ -317,9 +353,10 @@ class SpeculationController:
             # Measure plain decoding first: everything is compared with it.
             return {c.request_id: Choice(0, 0) for c in cands}
         passes, drafts, host = self.costs.pass_time, self.costs.draft_time, self.costs.spec_time
+        plan = uniform_depths if self.uniform else best_depths
         picks = [self._pick(c, base_rows + len(cands), len(cands)) for c in cands]
         alts = [c.alternatives[p] for c, p in zip(cands, picks)]
-        ks, _ = best_depths(alts, base_rows, plain, passes, drafts, TIE, MARGIN, host)
+        ks, _ = plan(alts, base_rows, plain, passes, drafts, TIE, MARGIN, host)
         self._since_probe += 1
         self._held = self._since_probe < PROBE_EVERY
         if not self._held:
@@ -336,6 +373,9 @@ class SpeculationController:
                 if _startable(c.alternatives[other], step):
                     picks[i] = other
                     ks[i] = min(max(1, ks[i]), c.alternatives[other].max_k)
+            elif self.uniform:  # the whole batch one deeper: what that depth would cost
+                ks = [min(k + 1, a.max_k) if k > 0 or _startable(a, step) else k
+                      for k, a in zip(ks, alts)]
             elif ks[i] > 0 or _startable(alts[i], step):
                 ks[i] = min(ks[i] + 1, alts[i].max_k)
             alts[i] = c.alternatives[picks[i]]
@@ -349,7 +389,7 @@ class SpeculationController:
             for i, b in zip(looked, backs):
                 if b is not None:
                     model[i] = cands[i].alternatives[b]
-            mks, _ = best_depths(model, base_rows, plain, passes, drafts, TIE, MARGIN, host)
+            mks, _ = plan(model, base_rows, plain, passes, drafts, TIE, MARGIN, host)
             for i, b in zip(looked, backs):
                 if b is not None and mks[i] > 0:
                     ch = out[cands[i].request_id]

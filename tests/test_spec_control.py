@@ -20,6 +20,7 @@ from specdec.spec_control import (
     SpeculationController,
     best_depths,
     geometric,
+    uniform_depths,
 )
 
 
@@ -372,3 +373,32 @@ def test_warm_up_leaves_the_costs_and_forgets_the_acceptance(tiny_llama):
     assert c.survival("next", "ngram", 4) == geometric(PRIOR_ACCEPT, 4)  # ... nothing else kept
     assert c.stats == {} and llm.engine.spec_totals == {}
     assert not llm.engine.has_unfinished()
+
+
+def test_a_padding_runner_gets_one_depth_for_the_batch_and_probes_it_whole():
+    # Rows nearly free (a GPU), sequences of different acceptance: best_depths would give them
+    # different depths, which a runner that pads to the deepest pays in full.
+    alts = [Alternative("ngram", 6, 1, geometric(a, 6)) for a in (0.9, 0.6, 0.3)]
+
+    def pass_time(rows):
+        return 1.0 + 0.08 * rows
+
+    ks, rate = uniform_depths(alts, 3, 0, pass_time, lambda m, n, d: 0.0, 0.0, 0.05)
+    assert len(set(ks)) == 1 and 0 < ks[0] < 6
+
+    def rate_at(k):  # what the batch emits per second at one depth for all
+        return (3 + sum(sum(a.survival[:k]) for a in alts)) / pass_time(3 + 3 * k)
+
+    assert rate == pytest.approx(max(rate_at(k) for k in range(7)))
+    assert ks[0] == max(range(7), key=rate_at)
+    assert uniform_depths(alts, 3, 0, lambda rows: float(rows), lambda m, n, d: 0.0,
+                          0.0, 0.05)[0] == [0, 0, 0]  # every row a pass: plain
+
+    c = SpeculationController()
+    c.uniform = True
+    for rows in (3, 6, 12, 21):
+        c.record_pass(rows, pass_time(rows))
+    cands = [Candidate(str(i), [a]) for i, a in enumerate(alts)]
+    depths = [[ch.k for ch in c.choose(3, 0, cands).values()] for _ in range(PROBE_EVERY)]
+    assert all(d == depths[0] and len(set(d)) == 1 for d in depths[:-1])
+    assert depths[-1] == [depths[0][0] + 1] * 3  # the probe: the whole batch one deeper
