@@ -39,9 +39,12 @@ costs and acceptance next to each choice are measured again at the price of one 
 sequence whose speculation was turned off gets fresh evidence, so no choice is final. A probe
 starts a model drafter that is behind on a sequence (it would first feed everything it missed,
 a prefill of the context for a sequence it never drafted for) only where that catch-up costs
-no more than a plain step: a new request with a short prompt still gets evidence of its own
-when its drafter's profile over every request says no (else one bad stretch of traffic would
-keep the drafter off for every request after it). Between probes the choice is held: where it
+at most PROBE_START of the plain steps until the next probe: a new request still gets evidence
+of its own when its drafter's profile over every request (or the prior, for the first
+requests) says no; else one bad stretch of traffic would keep the drafter off for every request
+after it (on the 2-core CPU, a 0.5b draft model behind 80-120-token prompts costs 140-240 ms to
+catch up, 5-9 target steps, and with only a plain step allowed it never drafted again after
+one rejected probe). Between probes the choice is held: where it
 gives every sequence the same depth and the drafts can be made on the device, the engine chains
 those steps there without asking (specdec/chaining.py), and their acceptance and cost are
 recorded as any step's.
@@ -67,6 +70,7 @@ PRIOR_WEIGHT = 2.0  # ... worth this many verifications of evidence
 DECAY = 0.9  # a request's evidence fades by this per verification
 DRAFTER_DECAY = 0.995  # ... a drafter's profile over every request, more slowly
 PROBE_EVERY = 32  # steps between probes (one sequence one step deeper, or its other drafter)
+PROBE_START = 0.25  # a probe's catch-up of a drafter behind: at most this share of a period
 TIE = 0.02  # speculative rates this close to the best count as equal (more tokens wins)
 MARGIN = 0.05  # speculation must beat plain decoding's predicted rate by this much
 
@@ -467,5 +471,5 @@ class SpeculationController:
 
 def _startable(a: Alternative, step: float) -> bool:
     """Whether a probe may draft with `a`: its drafter is not behind, or its catch-up costs
-    no more than a plain step of `step` seconds."""
-    return not a.stale or a.catch_up <= step
+    at most PROBE_START of the plain steps (`step` seconds each) until the next probe."""
+    return not a.stale or a.catch_up <= PROBE_START * PROBE_EVERY * step

@@ -273,8 +273,10 @@ def test_probes_start_a_drafter_behind_on_a_sequence_only_where_its_catch_up_is_
         return sum(c.choose(1, 0, [Candidate("new", [a])])["new"].k > 0
                    for _ in range(PROBE_EVERY * 2))
 
-    assert probed(0.5) == 2  # a short prompt: cheaper than a step, so probes start it
-    assert probed(5.0) == 0  # a long one: never started by a probe
+    # Plain steps of 1.3 s: probes start it where its catch-up costs at most a quarter of
+    # the 32 steps between probes (10.4 s).
+    assert probed(0.5) == 2 and probed(10.0) == 2
+    assert probed(20.0) == 0  # a long prompt: never started by a probe
     c.forget_evidence()
     assert c.survival("new", "draft_model", 4) == geometric(PRIOR_ACCEPT, 4)
     assert c.stats == {}
