@@ -31,7 +31,16 @@ count measured (a batch that always drafts whole, or the probes of a batch that 
 split cannot be told: below that count the extra is taken as proportional, above it as flat,
 both estimates that err low and get tried, measured and corrected. The age limit makes probes
 the only evidence once speculation stops, so a cost that has dropped shows within HOST_AGE
-steps.
+steps. The split never prices a drafted pass below a plain step of the batch (its rows are at
+least that many): on an H200 it once read -4.4 ms at 144 rows, and a plan then took k = 8 for
+an n-gram drafter whose fourth position survived 9% of the time.
+
+A runner that pads every sequence of a step to the deepest one's rows (CUDA graph buckets: B
+sequences of Q rows) has a simpler model, and one the split cannot give there (its rows and
+drafting sequences grow together, so the two terms are not told apart): the whole step's
+seconds by batch size and rows per sequence, measured (`steps`, `step_time`). A (B, Q) not
+measured yet is priced from the nearest measured Q at that batch, moved by what the
+split model says the difference costs; at a batch never measured, by the split model alone.
 """
 
 from __future__ import annotations
@@ -119,10 +128,12 @@ class CostModel:
         self._extra: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
         self._steps = 0
         self._line: tuple[float, float, int] | None = None  # spec_time's, while it holds
+        # Decode steps, whole: batch size -> seconds by rows per sequence (drafters left out).
+        self.steps: dict[int, Curve] = {}
 
     # -- the target pass --------------------------------------------------------------------
     def record_pass(self, rows: int, seconds: float, speculating: int = 0,
-                    chained: bool = False) -> None:
+                    chained: bool = False, batch: int = 0) -> None:
         """A real step over `rows` query rows took `seconds` (its drafting left out);
         `speculating` of its sequences verified a draft. A `chained` step (its successor
         launched from its verdict on the device, specdec/chaining.py) has no host work of its
@@ -135,7 +146,9 @@ class CostModel:
         in all), so without this a drafted batch's rows would be priced by that one segment
         for good. The split settles where the pass takes what the rows cost and the extra what
         is left; where only one count of drafting sequences is seen it cannot tell them
-        apart, and only their sum is priced, which is what a plan of that batch needs."""
+        apart, and only their sum is priced, which is what a plan of that batch needs.
+        `batch`: the step's sequences (a pass over its rows costs at least a plain step of
+        them)."""
         self._steps += 1
         self._line = None
         if speculating == 0 or chained:
@@ -144,14 +157,43 @@ class CostModel:
             self._extra.append((self._steps, speculating, seconds - self.pass_time(rows)))
             if not chained:
                 self._line = None
-                self.passes.record(rows, seconds - self.spec_time(speculating))
+                floor = self.pass_time(batch) if 0 < batch < rows else 0.0
+                self.passes.record(rows, max(floor, seconds - self.spec_time(speculating)))
                 self._line = None
+
+    def record_step(self, batch: int, rows_per_seq: int, seconds: float) -> None:
+        """A decode step of `batch` sequences, the deepest of `rows_per_seq` rows (its root
+        and draft nodes), took `seconds`, its drafting left out."""
+        if batch > 0 and rows_per_seq > 0:
+            self.steps.setdefault(batch, Curve(typical=True)).record(rows_per_seq, seconds)
+
+    def step_time(self, batch: int, rows_per_seq: int, drafting: int) -> float:
+        """Seconds of a decode step of `batch` sequences padded to `rows_per_seq` rows each,
+        `drafting` of them with a draft: measured; between measured sizes at this batch,
+        interpolated; beyond them, the nearest one moved by the split model's difference
+        (never cheaper for more rows, nor dearer for fewer); at a batch never measured, the
+        split model's pass_time + spec_time."""
+        def split(q: int) -> float:
+            return self.pass_time(batch * q) + self.spec_time(drafting if q > 1 else 0)
+
+        curve = self.steps.get(batch)
+        if not curve:
+            return split(rows_per_seq)
+        xs = curve.sizes
+        if rows_per_seq in curve.best or xs[0] < rows_per_seq < xs[-1]:
+            return curve(rows_per_seq)
+        near = xs[0] if rows_per_seq < xs[0] else xs[-1]
+        est = curve.best[near] + split(rows_per_seq) - split(near)
+        if rows_per_seq > near:
+            return max(est, curve.best[near])
+        return max(0.0, min(est, curve.best[near]))
 
     def forget_steps(self) -> None:
         """Drop what real steps and proposals taught, keeping the calibrations: the costs of
         an engine that has just started."""
         self.passes = Curve(typical=True)
         self.drafts.clear()
+        self.steps.clear()
         self._extra.clear()
         self._steps = 0
         self._line = None

@@ -136,7 +136,9 @@ class Drafting:
         plain = len(decoding) - len(fixed) - len(cands)
         base = len(decoding) + sum(self.max_nodes(r) for r in fixed)
         by_id = {r.request_id: r for r in decoding}
-        for rid, ch in self.controller.choose(base, plain, cands).items():
+        base_q = 1 + max((self.max_nodes(r) for r in fixed), default=0)
+        for rid, ch in self.controller.choose(base, plain, cands, len(decoding),
+                                              base_q).items():
             r = by_id[rid]
             choices = self._choices(r)
             r.active, r.depth = choices[ch.alternative], ch.k

@@ -337,10 +337,10 @@ class LLMEngine:
             # with prefill work are left out: the controller plans decodes, and under overlap a
             # lone prefill's call can return in a fraction of its pass (a 256-row prefill read
             # 0.66 ms on the H200, below a 1-row decode).
-            self.drafting.controller.record_pass(done.num_tokens,
-                                                 time.perf_counter() - t_step - t_draft,
-                                                 sum(1 for row in done.rows if row.parents),
-                                                 chained)
+            self.drafting.controller.record_pass(
+                done.num_tokens, time.perf_counter() - t_step - t_draft,
+                sum(1 for row in done.rows if row.parents), chained, len(done.rows),
+                max(1 + len(row.parents) for row in done.rows))
         return outputs
 
     def _commit(self, launched: Launched) -> list[Settled]:

@@ -36,7 +36,11 @@ Measured costs are noisy on a shared machine, so speculation is chosen only wher
 plain decoding's predicted rate by MARGIN. Every PROBE_EVERY steps one sequence, in turn,
 drafts one deeper than chosen (an `auto` one, every other time, with its other drafter): the
 costs and acceptance next to each choice are measured again at the price of one row, and a
-sequence whose speculation was turned off gets fresh evidence, so no choice is final. A probe
+sequence whose speculation was turned off gets fresh evidence, so no choice is final. Where a
+probe finds the choice where the last one left it, the period doubles, up to PROBE_MAX (at
+batch 32 on the H200 a probe is a whole host-planned step one deeper, and a batch of n-gram
+drafts that cannot pay paid 2-3% for them); a choice that moves, or a request that arrives,
+brings it back to PROBE_EVERY. A probe
 starts a model drafter that is behind on a sequence (it would first feed everything it missed,
 a prefill of the context for a sequence it never drafted for) only where that catch-up costs
 at most PROBE_START of the plain steps until the next probe: a new request still gets evidence
@@ -70,6 +74,7 @@ PRIOR_WEIGHT = 2.0  # ... worth this many verifications of evidence
 DECAY = 0.9  # a request's evidence fades by this per verification
 DRAFTER_DECAY = 0.995  # ... a drafter's profile over every request, more slowly
 PROBE_EVERY = 32  # steps between probes (one sequence one step deeper, or its other drafter)
+PROBE_MAX = 4 * PROBE_EVERY  # ... at most, where the probes keep finding the same choice
 PROBE_START = 0.25  # a probe's catch-up of a drafter behind: at most this share of a period
 TIE = 0.02  # speculative rates this close to the best count as equal (more tokens wins)
 MARGIN = 0.05  # speculation must beat plain decoding's predicted rate by this much
@@ -235,30 +240,35 @@ def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: 
     return ks, rate
 
 
-def uniform_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: PassTime,
-                   draft_time: DraftTime, tie: float = 0.0, margin: float = 0.0,
-                   spec_time: SpecTime | None = None) -> tuple[list[int], float]:
+StepTime = Callable[[int, int], float]  # (rows per sequence, drafting sequences) -> seconds
+
+
+def uniform_depths(alts: list[Alternative], base_q: int, plain: int, step_time: StepTime,
+                   draft_time: DraftTime, tie: float = 0.0,
+                   margin: float = 0.0) -> tuple[list[int], float]:
     """`best_depths` for a runner that pads every sequence of a step to the deepest one's rows
     (CUDA graph buckets are B sequences of Q rows): one depth k for the batch, each sequence
     at min(k, its max_k), the k with the highest rate; none where speculation does not beat
     plain decoding by `margin`. Mixed depths there pay the deepest's rows for every sequence
     (on the H200 at batch 16 the controller's steps of depths 3 to 8 cost 11.5 ms where
-    fixed k = 4 cost 7.3 ms at about the same tau). `tie` as in best_depths."""
+    fixed k = 4 cost 7.3 ms at about the same tau). `base_q`: the rows per sequence the step
+    has before the candidates draft (1, or a fixed-k request's tree); `step_time`: the whole
+    step by its rows per sequence and drafting sequences (CostModel.step_time at the batch's
+    size), host work included; `tie` as in best_depths."""
     n = len(alts)
-    host = spec_time or (lambda s: 0.0)
-    plain_rate = (plain + n) / max(1e-12, pass_time(base_rows))
+    plain_cost = step_time(base_q, 0)
+    plain_rate = (plain + n) / max(1e-12, plain_cost)
     found = [(plain_rate, float(plain + n), [0] * n)]
     for k in range(1, max((a.max_k for a in alts), default=0) + 1):
         ks = [min(k, a.max_k) for a in alts]
         gain = float(plain + n) + sum(sum(a.survival[:d]) for a, d in zip(alts, ks))
-        rows = base_rows + sum(d * a.width for a, d in zip(alts, ks))
+        q = max([base_q] + [1 + d * a.width for a, d in zip(alts, ks)])
         deepest: dict[str, tuple[int, int]] = {}  # method -> (drafting, depth)
         for a, d in zip(alts, ks):
             if d:
                 cnt, dep = deepest.get(a.method, (0, 0))
                 deepest[a.method] = (cnt + 1, max(dep, d))
-        cost = pass_time(rows) + host(sum(1 for d in ks if d)) + sum(
-            a.start for a, d in zip(alts, ks) if d)
+        cost = step_time(q, sum(1 for d in ks if d)) + sum(a.start for a, d in zip(alts, ks) if d)
         cost += sum(draft_time(m, cnt, dep) for m, (cnt, dep) in deepest.items())
         found.append((gain / cost if cost > 0 else gain, gain, ks))
     top = max(f[0] for f in found)
@@ -295,17 +305,23 @@ class SpeculationController:
         self._probe = 0
         self._all_off = False  # the last choice gave every candidate depth 0
         self._held = False  # the last choice had no probe in it: it may be held
+        self._period = PROBE_EVERY  # steps from one probe to the next (`_back_off`)
+        self._probed_ids: set[str] = set()  # the batch the last probe was made at,
+        self._probed_choice: set[tuple[int, int]] = set()  # ... and its (drafter, depth)s
         # The runner pads a step's sequences to the deepest (CUDA graphs): one depth for all
-        # (uniform_depths), and a probe takes the whole batch one deeper.
+        # (uniform_depths), priced by whole steps at the batch's size (CostModel.step_time),
+        # and a probe takes the whole batch one deeper.
         self.uniform = False
 
     # -- what the controller learns -----------------------------------------------------------
     def record_pass(self, rows: int, seconds: float, speculating: int = 0,
-                    chained: bool = False) -> None:
-        """A step over `rows` query rows took `seconds`, its drafters' time left out;
-        `speculating` of its sequences had a draft verified; `chained`: the next step was
-        launched from its verdict on the device, without the host planning it."""
-        self.costs.record_pass(rows, seconds, speculating, chained)
+                    chained: bool = False, batch: int = 0, deepest: int = 0) -> None:
+        """A step of `batch` decodes over `rows` query rows, `deepest` the most of one
+        sequence, took `seconds`, its drafters' time left out; `speculating` of its sequences
+        had a draft verified; `chained`: the next step was launched from its verdict on the
+        device, without the host planning it."""
+        self.costs.record_pass(rows, seconds, speculating, chained, batch)
+        self.costs.record_step(batch, deepest, seconds)
 
     def record_draft(self, method: str, batch: int, depth: int, seconds: float,
                      catch_up: int = 1) -> None:
@@ -347,9 +363,12 @@ class SpeculationController:
         return own.survival(k, prior) if own is not None else prior
 
     # -- a step's choice ----------------------------------------------------------------------
-    def choose(self, base_rows: int, plain: int, cands: list[Candidate]) -> dict[str, Choice]:
+    def choose(self, base_rows: int, plain: int, cands: list[Candidate], batch: int = 0,
+               base_q: int = 1) -> dict[str, Choice]:
         """Per candidate: its drafter and depth. `base_rows`: the step's rows before any draft
-        node; `plain`: sequences in it that decode without speculating."""
+        node; `plain`: sequences in it that decode without speculating; `batch`: its decoding
+        sequences (0: the candidates and `plain`) and `base_q` the most rows one of them has
+        before the candidates draft (a fixed-k request's tree), for a runner that pads."""
         self._all_off = self._held = False
         if not cands:
             return {}
@@ -357,21 +376,30 @@ class SpeculationController:
             # Measure plain decoding first: everything is compared with it.
             return {c.request_id: Choice(0, 0) for c in cands}
         passes, drafts, host = self.costs.pass_time, self.costs.draft_time, self.costs.spec_time
-        plan = uniform_depths if self.uniform else best_depths
+        batch = batch or plain + len(cands)
+
+        def plan(alts: list[Alternative]) -> list[int]:
+            if self.uniform:
+                return uniform_depths(alts, base_q, plain,
+                                      functools.partial(self.costs.step_time, batch), drafts,
+                                      TIE, MARGIN)[0]
+            return best_depths(alts, base_rows, plain, passes, drafts, TIE, MARGIN, host)[0]
+
         picks = [self._pick(c, base_rows + len(cands), len(cands)) for c in cands]
         alts = [c.alternatives[p] for c, p in zip(cands, picks)]
-        ks, _ = plan(alts, base_rows, plain, passes, drafts, TIE, MARGIN, host)
+        ks = plan(alts)
         self._since_probe += 1
-        self._held = self._since_probe < PROBE_EVERY
+        self._held = self._since_probe < self._period
         if not self._held:
             # One sequence, in turn, drafts one deeper than chosen (or, every other time for
             # an `auto` one, with its other drafter): the costs and acceptance next to the
             # choice are measured again, cheaply, so no choice is final.
+            self._back_off(cands, picks, ks)
             self._since_probe = 0
             self._probe += 1
             i = self._probe % len(cands)
             c = cands[i]
-            step = passes(base_rows + len(cands))
+            step = passes(base_rows + len(cands)) * self._period
             if len(c.alternatives) > 1 and (self._probe // len(cands)) % 2:
                 other = (picks[i] + 1) % len(c.alternatives)
                 if _startable(c.alternatives[other], step):
@@ -393,7 +421,7 @@ class SpeculationController:
             for i, b in zip(looked, backs):
                 if b is not None:
                     model[i] = cands[i].alternatives[b]
-            mks, _ = plan(model, base_rows, plain, passes, drafts, TIE, MARGIN, host)
+            mks = plan(model)
             for i, b in zip(looked, backs):
                 if b is not None and mks[i] > 0:
                     ch = out[cands[i].request_id]
@@ -413,13 +441,30 @@ class SpeculationController:
         self._pending.clear()
         self.stats.clear()
 
+    def _back_off(self, cands: list[Candidate], picks: list[int], ks: list[int]) -> None:
+        """The next probes' period: doubled (up to PROBE_MAX) where the choice is the one the
+        last probe was made at, so a batch whose best choice stands does not pay for probes it
+        no longer learns from (at batch 32 on the H200 a probe is a whole host-planned step one
+        deeper); PROBE_EVERY again where the choice moved or a request arrived since."""
+        ids = {c.request_id for c in cands}
+        choice = set(zip(picks, ks))
+        same = ids <= self._probed_ids and choice == self._probed_choice
+        self._period = min(PROBE_MAX, 2 * self._period) if same else PROBE_EVERY
+        self._probed_ids, self._probed_choice = ids, choice
+
+    @property
+    def probe_period(self) -> int:
+        """Steps from one probe to the next now: PROBE_EVERY, up to PROBE_MAX while the probes
+        keep finding the same choice."""
+        return self._period
+
     @property
     def holding(self) -> bool:
         """Whether the last choice had no probe in it and the next probe is not due: until it
         is, the engine may take steps of the same depths on the device without asking
         (specdec/chaining.py), counting each with `hold_step`. Acceptance is still recorded
         from every step, and the next choice plans with it."""
-        return self._held and self._since_probe + 1 < PROBE_EVERY
+        return self._held and self._since_probe + 1 < self._period
 
     @property
     def resting(self) -> bool:
@@ -469,7 +514,7 @@ class SpeculationController:
         return others[0] if others else None
 
 
-def _startable(a: Alternative, step: float) -> bool:
+def _startable(a: Alternative, period: float) -> bool:
     """Whether a probe may draft with `a`: its drafter is not behind, or its catch-up costs
-    at most PROBE_START of the plain steps (`step` seconds each) until the next probe."""
-    return not a.stale or a.catch_up <= PROBE_START * PROBE_EVERY * step
+    at most PROBE_START of the plain steps until the next probe (`period` seconds)."""
+    return not a.stale or a.catch_up <= PROBE_START * period

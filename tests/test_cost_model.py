@@ -165,3 +165,33 @@ def test_host_planned_drafted_steps_correct_a_calibration_that_overprices_their_
     assert c.pass_time(144) < 0.011
     c.forget_steps()  # a fresh start: the calibration's price again
     assert c.pass_time(144) == pytest.approx(0.020) and c.spec_time(16) == 0.0
+
+
+def test_a_split_never_prices_a_drafted_pass_below_a_plain_step_of_its_batch():
+    # A drafted step much cheaper than the extra so far fitted (fixed k = 2 at one count after
+    # k = 8's dear host work): its rows' pass is floored at the batch's plain step, not below.
+    c = CostModel()
+    c.record_pass(16, 0.005, batch=16)
+    for _ in range(3):
+        c.record_pass(144, 0.020, 16, batch=16)  # extra 15 ms at 16 drafting
+    c.record_pass(48, 0.008, 16, batch=16)  # 8 ms in all, less than that extra
+    assert c.pass_time(48) >= c.pass_time(16) > 0
+
+
+def test_whole_steps_by_batch_and_rows_per_sequence():
+    c = CostModel()
+    for rows in (4, 8):
+        c.record_pass(rows, 0.001 * rows)  # plain steps: the split model's pass
+    assert c.step_time(4, 3, 4) == pytest.approx(0.012)  # no step at batch 4 yet: the split's
+    c.record_step(4, 1, 0.004)
+    c.record_step(4, 5, 0.006)
+    assert c.step_time(4, 5, 4) == 0.006  # measured
+    assert c.step_time(4, 3, 4) == pytest.approx(0.005)  # between, interpolated
+    # Beyond: the nearest measured moved by the split model's difference (rows 36 against 20,
+    # priced on the slope of the two real plain steps), never below it.
+    assert c.step_time(4, 9, 4) == pytest.approx(0.006 + 0.016)
+    c.record_step(4, 5, 0.010)
+    c.record_step(4, 5, 0.012)
+    assert c.step_time(4, 5, 4) == 0.010  # the median of the recent ones
+    c.forget_steps()
+    assert c.steps == {}

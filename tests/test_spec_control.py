@@ -14,6 +14,7 @@ from specdec.cost_model import CALIBRATION_ROWS
 from specdec.spec_control import (
     PRIOR_ACCEPT,
     PROBE_EVERY,
+    PROBE_MAX,
     Acceptance,
     Alternative,
     Candidate,
@@ -261,13 +262,16 @@ def test_acceptance_zero_turns_speculation_off_and_recovers():
 def test_probes_start_a_drafter_behind_on_a_sequence_only_where_its_catch_up_is_cheap():
     # The drafter's profile over every request says no (a stretch of bad traffic): a new
     # request, which its draft model has not read, gets evidence of its own only from probes.
-    c = SpeculationController()
-    for rows in (1, 2, 3, 4, 5):
-        c.record_pass(rows, 1.0 + 0.3 * (rows - 1))
-    for _ in range(20):
-        c.verified("old", "draft_model", 4, 0, 1)
+    def controller() -> SpeculationController:
+        c = SpeculationController()
+        for rows in (1, 2, 3, 4, 5):
+            c.record_pass(rows, 1.0 + 0.3 * (rows - 1))
+        for _ in range(20):
+            c.verified("old", "draft_model", 4, 0, 1)
+        return c
 
-    def probed(catch_up: float) -> int:
+    def probed(catch_up: float, c: SpeculationController | None = None) -> int:
+        c = c or controller()
         s = c.survival("new", "draft_model", 4)
         a = Alternative("draft_model", 4, 1, s, False, True, catch_up)
         return sum(c.choose(1, 0, [Candidate("new", [a])])["new"].k > 0
@@ -276,7 +280,11 @@ def test_probes_start_a_drafter_behind_on_a_sequence_only_where_its_catch_up_is_
     # Plain steps of 1.3 s: probes start it where its catch-up costs at most a quarter of
     # the 32 steps between probes (10.4 s).
     assert probed(0.5) == 2 and probed(10.0) == 2
-    assert probed(20.0) == 0  # a long prompt: never started by a probe
+    assert probed(30.0) == 0  # a long prompt: never started by a probe
+    # Probes that keep finding the same choice come less often (up to PROBE_MAX apart), and
+    # a longer period affords a dearer catch-up.
+    c = controller()
+    assert probed(10.0, c) == 2 and probed(30.0, c) == 1
     c.forget_evidence()
     assert c.survival("new", "draft_model", 4) == geometric(PRIOR_ACCEPT, 4)
     assert c.stats == {}
@@ -301,8 +309,9 @@ def test_host_work_per_drafting_sequence_turns_speculation_off_and_back_on():
         return drafting
 
     assert run(40, 0.001)[-20:] == [batch] * 20  # cheap: every sequence drafts
-    dear = run(400, 0.2)[-300:]  # 16 drafting cost 3.2 passes: off, but for probes
-    assert sum(1 for s in dear if s > 1) <= 5 and sum(1 for s in dear if s == 1) >= 5
+    dear = run(400, 0.2)[-300:]  # 16 drafting cost 3.2 passes: off, but for probes,
+    # which back off while they keep finding it off (32, 64, then 128 steps apart)
+    assert sum(1 for s in dear if s > 1) <= 5 and sum(1 for s in dear if s == 1) >= 2
     assert run(300, 0.001)[-40:] == [batch] * 40  # cheap again: measured, and back on
 
 
@@ -353,7 +362,7 @@ def test_engine_records_how_many_sequences_of_a_step_drafted(tiny_llama, monkeyp
         steps: list[tuple[int, int]] = []
 
         def record(rows: int, seconds: float, speculating: int = 0, chained: bool = False,
-                   add=steps.append) -> None:
+                   batch: int = 0, deepest: int = 0, add=steps.append) -> None:
             add((rows, speculating))
 
         monkeypatch.setattr(llm.engine.drafting.controller, "record_pass", record)
@@ -385,7 +394,10 @@ def test_a_padding_runner_gets_one_depth_for_the_batch_and_probes_it_whole():
     def pass_time(rows):
         return 1.0 + 0.08 * rows
 
-    ks, rate = uniform_depths(alts, 3, 0, pass_time, lambda m, n, d: 0.0, 0.0, 0.05)
+    def step_time(q, drafting):  # three sequences of q rows each
+        return pass_time(3 * q)
+
+    ks, rate = uniform_depths(alts, 1, 0, step_time, lambda m, n, d: 0.0, 0.0, 0.05)
     assert len(set(ks)) == 1 and 0 < ks[0] < 6
 
     def rate_at(k):  # what the batch emits per second at one depth for all
@@ -393,14 +405,84 @@ def test_a_padding_runner_gets_one_depth_for_the_batch_and_probes_it_whole():
 
     assert rate == pytest.approx(max(rate_at(k) for k in range(7)))
     assert ks[0] == max(range(7), key=rate_at)
-    assert uniform_depths(alts, 3, 0, lambda rows: float(rows), lambda m, n, d: 0.0,
+    assert uniform_depths(alts, 1, 0, lambda q, s: 3.0 * q, lambda m, n, d: 0.0,
                           0.0, 0.05)[0] == [0, 0, 0]  # every row a pass: plain
 
     c = SpeculationController()
     c.uniform = True
-    for rows in (3, 6, 12, 21):
-        c.record_pass(rows, pass_time(rows))
+    for q in (1, 2, 4, 7):
+        c.record_pass(3 * q, pass_time(3 * q), 3 if q > 1 else 0, False, 3, q)
     cands = [Candidate(str(i), [a]) for i, a in enumerate(alts)]
     depths = [[ch.k for ch in c.choose(3, 0, cands).values()] for _ in range(PROBE_EVERY)]
     assert all(d == depths[0] and len(set(d)) == 1 for d in depths[:-1])
     assert depths[-1] == [depths[0][0] + 1] * 3  # the probe: the whole batch one deeper
+
+
+def _padded_run(c, ids, steps, surv, cost, rng):
+    """`steps` steps of a uniform controller over `ids`, acceptance drawn from `surv`, each
+    step's seconds `cost(q)` at q rows per sequence: the depth each step had."""
+    chosen = []
+    for _ in range(steps):
+        cands = [Candidate(r, [Alternative("m", len(surv), 1, c.survival(r, "m", len(surv)))])
+                 for r in ids]
+        k = max(ch.k for ch in c.choose(len(ids), 0, cands, len(ids)).values())
+        for r in ids:
+            acc = 0
+            while acc < k and rng.random() < surv[acc] / (surv[acc - 1] if acc else 1.0):
+                acc += 1
+            c.verified(r, "m", k, acc, acc + 1)
+        c.record_pass(len(ids) * (k + 1), cost(k + 1), len(ids) if k else 0, False, len(ids),
+                      k + 1)
+        chosen.append(k)
+    return chosen
+
+
+def test_a_padding_runner_finds_the_best_depth_from_whole_steps_and_probes_less_when_it_stands():
+    # A simulated GPU at batch 16: a drafted step pays 3 ms of host work that a plain one
+    # does not, and rows grow dearer with depth; the controller knows only the plain step.
+    batch, rng = 16, random.Random(3)
+    surv = [0.8, 0.65, 0.5, 0.3, 0.2, 0.12, 0.08, 0.05]
+
+    def cost(q):
+        return 0.005 + (0.003 if q > 1 else 0.0) + 0.00004 * batch * (q - 1) ** 1.5
+
+    def rate(k):
+        return batch * (1 + sum(surv[:k])) / cost(k + 1)
+
+    best = max(range(len(surv) + 1), key=rate)
+    assert 0 < best < len(surv)
+    c = SpeculationController()
+    c.uniform = True
+    c.record_pass(batch, cost(1), 0, False, batch, 1)
+    ids = [f"r{i}" for i in range(batch)]
+    chosen = _padded_run(c, ids, 600, surv, cost, rng)
+    late = chosen[-300:]
+    held = max(set(late), key=late.count)
+    assert rate(held) >= 0.97 * rate(best)
+    assert sum(rate(k) for k in late) >= 0.97 * rate(best) * len(late)
+    # Off the held depth: probes (one deeper), which come less often once the same choice
+    # keeps standing, and the choice following acceptance's noise now and then.
+    assert 0 < sum(1 for k in late if k != held) < 0.1 * len(late)
+    assert c.probe_period == PROBE_MAX
+    # A request that arrives is probed within PROBE_EVERY steps.
+    ids[0] = "new"
+    after = _padded_run(c, ids, PROBE_EVERY + 1, surv, cost, rng)
+    assert any(k != held for k in after)
+
+
+def test_a_padding_runner_keeps_a_drafter_that_cannot_pay_off_and_probes_it_rarely():
+    # Batch 32, an n-gram-like drafter (27% first-position survival), a drafted step 3 ms
+    # dearer than a chained plain one of 5.7 ms: plain decoding, but for probes that back off.
+    batch, rng = 32, random.Random(5)
+    surv = [0.27, 0.15, 0.12, 0.09]
+
+    def cost(q):
+        return 0.0057 + (0.003 if q > 1 else 0.0) + 0.00001 * batch * (q - 1)
+
+    c = SpeculationController()
+    c.uniform = True
+    c.record_pass(batch, cost(1), 0, False, batch, 1)
+    chosen = _padded_run(c, [f"r{i}" for i in range(batch)], 800, surv, cost, rng)
+    late = chosen[-400:]
+    assert late.count(0) >= len(late) - 400 // (2 * PROBE_EVERY)
+    assert any(late)  # ... still measured now and then
