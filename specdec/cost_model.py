@@ -188,6 +188,15 @@ class CostModel:
             return max(est, curve.best[near])
         return max(0.0, min(est, curve.best[near]))
 
+    def deepest_step(self, batch: int) -> int:
+        """The most rows per sequence of a whole decode step measured at the batch size
+        nearest `batch` (1 where none is): how deep a padding runner's plan may go this step
+        (one deeper than measured, q = k + 1)."""
+        if not self.steps:
+            return 1
+        near = min(self.steps, key=lambda b: (abs(b - batch), -b))
+        return max(1, max(self.steps[near].sizes, default=1))
+
     def forget_steps(self) -> None:
         """Drop what real steps and proposals taught, keeping the calibrations: the costs of
         an engine that has just started."""

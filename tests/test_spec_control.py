@@ -486,3 +486,34 @@ def test_a_padding_runner_keeps_a_drafter_that_cannot_pay_off_and_probes_it_rare
     late = chosen[-400:]
     assert late.count(0) >= len(late) - 400 // (2 * PROBE_EVERY)
     assert any(late)  # ... still measured now and then
+
+
+def test_a_fresh_padding_runner_goes_deeper_one_measured_step_at_a_time():
+    # Only a plain step measured and the prior's optimism: the plan would take the whole
+    # batch 8 deep at once. It goes one row deeper than any whole step measured near this
+    # batch size, asking again each step (no holding) while that limit binds.
+    batch, rng = 64, random.Random(7)
+    surv = [0.28, 0.14, 0.10, 0.07, 0.05, 0.04, 0.03, 0.02]
+
+    def cost(q):  # a drafted step dear at this batch
+        return 0.0076 + (0.01 if q > 1 else 0.0) + 0.0003 * batch * (q - 1)
+
+    c = SpeculationController()
+    c.uniform = True
+    c.record_pass(batch, cost(1), 0, False, batch, 1)
+    assert c.costs.deepest_step(batch) == 1 and c.costs.deepest_step(3) == 1
+    ids = [f"r{i}" for i in range(batch)]
+    first = _padded_run(c, ids, 4, surv, cost, rng)
+    assert first[0] <= 1 and all(b <= a + 1 for a, b in zip(first, first[1:]))
+    assert c.costs.deepest_step(batch) <= 3
+    late = _padded_run(c, ids, 200, surv, cost, rng)[-100:]
+    assert late.count(0) >= 95  # off, but for a probe
+
+    # Where drafting pays, the depth still climbs to what pays, a row a step.
+    rich = [0.9] * 8
+    c = SpeculationController()
+    c.uniform = True
+    c.record_pass(4, 0.005, 0, False, 4, 1)
+    climb = _padded_run(c, [f"s{i}" for i in range(4)], 12, rich,
+                        lambda q: 0.005 + 0.0001 * q, rng)
+    assert all(a <= b <= a + 1 for a, b in zip(climb, climb[1:])) and climb[-1] == 8
