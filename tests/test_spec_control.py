@@ -517,3 +517,16 @@ def test_a_fresh_padding_runner_goes_deeper_one_measured_step_at_a_time():
     climb = _padded_run(c, [f"s{i}" for i in range(4)], 12, rich,
                         lambda q: 0.005 + 0.0001 * q, rng)
     assert all(a <= b <= a + 1 for a, b in zip(climb, climb[1:])) and climb[-1] == 8
+
+    # Batch 1 on a GPU, a lookup drafter: its first position alone does not pay for a drafted
+    # step's host work, its eight together do. The limit slows the climb, not the plan.
+    lookup = [0.28, 0.16, 0.12, 0.1, 0.09, 0.08, 0.07, 0.06]
+
+    def gpu_b1(q):
+        return 0.0055 + (0.003 if q > 1 else 0.0) + 0.00002 * (q - 1)
+
+    c = SpeculationController()
+    c.uniform = True
+    c.record_pass(1, gpu_b1(1), 0, False, 1, 1)
+    climb = _padded_run(c, ["t"], 80, lookup, gpu_b1, random.Random(7))
+    assert climb.count(8) >= 20 and all(b <= a + 1 for a, b in zip(climb, climb[1:]))
