@@ -225,9 +225,7 @@ def collect_shards(model_path: str, seqs: list[list[int]], capture: tuple[int, .
         print(f"features: {len(plan) - len(due)} of {len(plan)} shards already captured")
     if not due:
         return paths
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    model = float_target(model_path).to(device)
     model.eval()
     bar = tqdm(total=sum(plan[k][1] - plan[k][0] for k in due), desc="target features",
                unit="seq")
@@ -260,6 +258,33 @@ def load_shards(paths: list[Path]) -> list[dict[str, torch.Tensor]]:
 
 
 @torch.no_grad()
+def float_target(model_path: str) -> torch.nn.Module:
+    """The target as a float32 transformers model, for feature capture: from its safetensors,
+    or, for a model directory that takes its weights from a GGUF (every preset), from the GGUF
+    dequantized as the engine's `quantization="none"` path reads it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.models.gguf_weights import load_tensors
+    from specdec.models.loader import gguf_source
+
+    gguf = gguf_source(model_path)
+    if gguf is None:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf = json.loads((Path(model_path) / "config.json").read_text())
+    state = dict(load_tensors(gguf, hf, "none"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")
+               and not m.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise ValueError(f"{gguf}: weights missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if tied:
+        model.tie_weights()
+    return model
+
+
 def capture_features(model: torch.nn.Module, seqs: list[list[int]], capture: tuple[int, ...],
                      batch: int, device: str, bar: Any = None) -> list[dict[str, torch.Tensor]]:
     """Per sequence: tokens [T], feats [T, F] fp16 (as the engine delivers them), next [T] (the

@@ -311,3 +311,21 @@ def test_file_embedding_reads_the_files_rows(tmp_path: Path, qtype: str) -> None
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     if qtype != "F32":
         assert not torch.equal(got, torch.from_numpy(table)[ids])  # the file's values, not ours
+
+
+def test_feature_capture_reads_a_gguf_targets_weights(tmp_path: Path) -> None:
+    # `train-drafter` captures features with a float transformers model; a preset's directory
+    # holds no weights of its own, only the GGUF it points at.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.drafter_data import float_target
+
+    src = tmp_path / "tiny.gguf"
+    hf, cfg = _write_tiny_gguf(src)
+    out = hub.resolve_model_path(str(src), progress=False)
+    model = float_target(str(out))
+    ref = LlamaForCausalLM(LlamaConfig(**json.loads((out / "config.json").read_text())))
+    ref.load_state_dict(hf, strict=False)
+    ids = torch.tensor([[3, 17, 42, 99, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
