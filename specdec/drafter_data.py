@@ -257,7 +257,6 @@ def load_shards(paths: list[Path]) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-@torch.no_grad()
 def float_target(model_path: str) -> torch.nn.Module:
     """The target as a float32 transformers model, for feature capture: from its safetensors,
     or, for a model directory that takes its weights from a GGUF (every preset), from the GGUF
@@ -285,6 +284,7 @@ def float_target(model_path: str) -> torch.nn.Module:
     return model
 
 
+@torch.no_grad()
 def capture_features(model: torch.nn.Module, seqs: list[list[int]], capture: tuple[int, ...],
                      batch: int, device: str, bar: Any = None) -> list[dict[str, torch.Tensor]]:
     """Per sequence: tokens [T], feats [T, F] fp16 (as the engine delivers them), next [T] (the

@@ -141,6 +141,9 @@ def test_batched_capture_equals_one_sequence_at_a_time(tiny_llama):
         torch.testing.assert_close(row["feats"].float(), alone["feats"].float(),
                                    atol=4e-3, rtol=4e-3)  # fp16 storage: a unit in the last place
         assert torch.equal(row["next"], alone["next"])
+        # No autograd graph kept alive: a 1024-sequence capture held every batch's activations
+        # and was killed for memory (24 GB) at 48 sequences when this was lost.
+        assert not row["feats"].requires_grad and row["feats"].grad_fn is None
 
 
 def test_shards_respect_the_disk_bound(tiny_llama, tmp_path, counted, capsys):
