@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from cpu_decode import machine_info
 
 from specdec import LLM
 from specdec.step_inputs import Segment
@@ -42,7 +48,8 @@ def main() -> None:
     llm = LLM(model=a.model, quantization="auto")
     eng = llm.engine
     draft = eng.drafting.drafter(eng.drafting.resolve(None))
-    out: dict = {"model": a.model, "rows": list(ROWS)}
+    out: dict = {"model": a.model, "rows": list(ROWS),
+                 "machine": machine_info(torch.get_num_threads())}
     for name, runner in (("target", eng.runner), ("draft", draft.runner)):
         ms = [fastest_ms(runner, n) for n in ROWS]
         out[name] = {"ms": ms, "vs_one_row": [m / ms[0] for m in ms]}

@@ -45,13 +45,20 @@ def machine_info(threads: int) -> dict[str, Any]:
     import transformers
 
     cpu = platform.processor()
+    family_model: list[str] = []  # two "AMD EPYC" differ: family 25 model 17 is Zen 4
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu = value.strip()
+            elif key.strip() in ("cpu family", "model") and len(family_model) < 2:
+                family_model.append(value.strip())
+            elif not line.strip():
                 break
     except OSError:
         pass
+    if family_model:
+        cpu += f" (family {' model '.join(family_model)})"
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "transformers": transformers.__version__,
