@@ -24,8 +24,9 @@ Measure = Callable[[Callable[[int], None], int, "Path | None"], dict[int, float]
 
 def calibrate_runner(runner: ModelRunner, max_batched_tokens: int, measure: Measure
                      ) -> dict[int, float]:
-    """Measure (or load from the cache) `runner`'s pass curve up to 128 rows with `measure`;
-    {} where its KV pool is too small to time even one row."""
+    """Measure (or load from the cache) `runner`'s pass curve up to 128 rows (or as far as
+    CALIBRATION_BUDGET_S allows) with `measure`; {} where its KV pool is too small to time even
+    one row."""
     from specdec.cost_model import cache_file, code_digest, machine_name
     from specdec.hub.resolve import cache_root
 

@@ -60,6 +60,11 @@ from pathlib import Path
 WINDOW = 16  # recent measurements kept per row count
 CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 CALIBRATION_PASSES = 3  # per row count, the fastest kept
+# Seconds one curve's calibration may take: the sizes past it are left to the curve's slope. A
+# 135m model on the portable kernels (a CPU without AVX-512) took over 200 s to 128 rows and
+# held its server's first start past five minutes; the default 1.5b target on AVX-512 takes
+# about 12 s to 128 rows.
+CALIBRATION_BUDGET_S = 20.0
 HOST_AGE = 128  # recorded steps a drafted step's extra counts for (four probes apart)
 
 
@@ -332,11 +337,14 @@ def _measure(run_pass: Callable[[int], None], max_rows: int, cache: Path | None
         try:
             stored = json.loads(cache.read_text())
             curve = {int(r): float(s) for r, s in stored["pass_seconds"].items()}
+            if stored.get("asked") != rows and not all(r in curve for r in rows):
+                curve = None  # measured for other sizes
         except (OSError, ValueError, KeyError, TypeError):
             curve = None
-    if curve is None or not all(r in curve for r in rows):
+    if curve is None:
         run_pass(1)  # warm-up: first-call allocations and kernel builds
         curve = {}
+        t0 = time.perf_counter()
         for r in rows:
             best = float("inf")
             for _ in range(CALIBRATION_PASSES):
@@ -344,15 +352,18 @@ def _measure(run_pass: Callable[[int], None], max_rows: int, cache: Path | None
                 run_pass(r)
                 best = min(best, time.perf_counter() - t)
             curve[r] = best
+            if time.perf_counter() - t0 > CALIBRATION_BUDGET_S:
+                break  # the larger sizes: the curve's slope past the largest measured
         if cache is not None:
             _write_atomic(cache, {"pass_seconds": {str(r): s for r, s in curve.items()},
+                                  "asked": rows,
                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     # A pass over fewer rows never costs more than one over more: a spike (a page fault, the
     # other core busy; a fresh machine's first start read 1.75 s at 6 rows against 0.20 s at
     # 8) is cut down to the cheapest larger size.
     out: dict[int, float] = {}
     cheapest = float("inf")  # the cheapest size above r
-    for r in reversed(rows):
+    for r in reversed([r for r in rows if r in curve]):
         cheapest = out[r] = min(curve[r], cheapest)
     return dict(sorted(out.items()))
 

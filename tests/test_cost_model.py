@@ -5,6 +5,7 @@ costs."""
 from __future__ import annotations
 
 import json
+import time
 import random
 
 import pytest
@@ -68,6 +69,27 @@ def test_calibration_is_cached(tmp_path):
     model = CostModel()
     assert model.calibrate(lambda n: calls.append(n), 8, cache) == curve and not calls
     assert model.knows(6)
+
+
+def test_calibration_stops_at_its_time_budget_and_its_cache_says_so(tmp_path, monkeypatch):
+    # A slow pass (a small model on the portable kernels): the larger sizes are left to the
+    # curve's slope, and the cut curve, cached, is not measured again at the next start.
+    import specdec.cost_model as cm
+
+    monkeypatch.setattr(cm, "CALIBRATION_BUDGET_S", 0.05)
+    calls: list[int] = []
+
+    def slow(n: int) -> None:
+        calls.append(n)
+        time.sleep(0.004 * n)
+
+    cache = tmp_path / "pass.json"
+    curve = CostModel().calibrate(slow, 128, cache)
+    assert 3 <= len(curve) < len(cm.CALIBRATION_ROWS) and max(curve) < 128
+    calls.clear()
+    model = CostModel()
+    assert model.calibrate(_never, 128, cache) == curve
+    assert model.pass_time(128) > model.pass_time(max(curve))  # the slope past the cut
 
 
 
