@@ -5,8 +5,8 @@ costs."""
 from __future__ import annotations
 
 import json
-import time
 import random
+import time
 
 import pytest
 
