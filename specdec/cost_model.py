@@ -2,11 +2,11 @@
 by batch size and draft depth. The speculation controller (specdec/spec_control.py) plans
 with it.
 
-The pass curve is measured at start (`calibrate`: one eager pass per size of a grid of row
-counts, the fastest of a few) and cached per machine, model, dtype, quantization, thread count
-and the code that runs the pass (`code_digest`: a kernel made faster must not be planned with
-its old costs), so only the first start on a machine pays for it. Real steps then refine it
-online.
+The pass curve is measured at start (specdec/calibration.py: one eager pass per size of a grid
+of row counts, the fastest of a few, within a time budget) and cached per machine, model,
+dtype, quantization, thread count and the code that runs the pass (`code_digest`: a kernel
+made faster must not be planned with its old costs), so only the first start on a machine pays
+for it. Real steps then refine it online.
 
 A real step's cost is the median of its recent measurements (WINDOW per row count; an older one
 is forgotten), a drafter's too: robust to a few steps slowed by another process, and with
@@ -46,25 +46,15 @@ split model says the difference costs; at a batch never measured, by the split m
 from __future__ import annotations
 
 import bisect
-import functools
-import hashlib
 import itertools
-import json
-import os
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from specdec.calibration import measure_curve
+
 WINDOW = 16  # recent measurements kept per row count
-CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
-CALIBRATION_PASSES = 3  # per row count, the fastest kept
-# Seconds one curve's calibration may take: the sizes past it are left to the curve's slope. A
-# 135m model on the portable kernels (a CPU without AVX-512) took over 200 s to 128 rows and
-# held its server's first start past five minutes; the default 1.5b target on AVX-512 takes
-# about 12 s to 128 rows.
-CALIBRATION_BUDGET_S = 20.0
 HOST_AGE = 128  # recorded steps a drafted step's extra counts for (four probes apart)
 
 
@@ -311,7 +301,7 @@ class CostModel:
                   cache: Path | None = None) -> dict[int, float]:
         """Measure (or load from `cache`) the pass curve up to `max_rows` rows. `run_pass(n)`
         runs one target pass of n query rows and returns when it is done."""
-        curve = _measure(run_pass, max_rows, cache)
+        curve = measure_curve(run_pass, max_rows, cache)
         for r, sec in curve.items():
             self.calibration.record(r, sec)
         return curve
@@ -322,90 +312,8 @@ class CostModel:
         proposals cost is known before it first proposes: without it, a batch on a machine
         where drafting cannot pay (a CPU verifying many rows) drafts until the measurements
         come in, and a short request pays the draft model's catch-up over its prompt."""
-        curve = _measure(run_pass, max_rows, cache)
+        curve = measure_curve(run_pass, max_rows, cache)
         c = self.draft_calibration[method] = Curve(proportional=True)
         for r, sec in curve.items():
             c.record(r, sec)
         return curve
-
-
-def _measure(run_pass: Callable[[int], None], max_rows: int, cache: Path | None
-             ) -> dict[int, float]:
-    rows = [r for r in CALIBRATION_ROWS if r <= max_rows]
-    curve: dict[int, float] | None = None
-    if cache is not None and cache.is_file():
-        try:
-            stored = json.loads(cache.read_text())
-            curve = {int(r): float(s) for r, s in stored["pass_seconds"].items()}
-            if stored.get("asked") != rows and not all(r in curve for r in rows):
-                curve = None  # measured for other sizes
-        except (OSError, ValueError, KeyError, TypeError):
-            curve = None
-    if curve is None:
-        run_pass(1)  # warm-up: first-call allocations and kernel builds
-        curve = {}
-        t0 = time.perf_counter()
-        for r in rows:
-            best = float("inf")
-            for _ in range(CALIBRATION_PASSES):
-                t = time.perf_counter()
-                run_pass(r)
-                best = min(best, time.perf_counter() - t)
-            curve[r] = best
-            if time.perf_counter() - t0 > CALIBRATION_BUDGET_S:
-                break  # the larger sizes: the curve's slope past the largest measured
-        if cache is not None:
-            _write_atomic(cache, {"pass_seconds": {str(r): s for r, s in curve.items()},
-                                  "asked": rows,
-                                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    # A pass over fewer rows never costs more than one over more: a spike (a page fault, the
-    # other core busy; a fresh machine's first start read 1.75 s at 6 rows against 0.20 s at
-    # 8) is cut down to the cheapest larger size.
-    out: dict[int, float] = {}
-    cheapest = float("inf")  # the cheapest size above r
-    for r in reversed([r for r in rows if r in curve]):
-        cheapest = out[r] = min(curve[r], cheapest)
-    return dict(sorted(out.items()))
-
-
-def cache_file(root: Path, **key: object) -> Path:
-    """Where a pass curve measured under `key` (machine, model, dtype, ...) is kept."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
-    return root / f"pass_{digest[:16]}.json"
-
-
-@functools.cache
-def code_digest() -> str:
-    """A digest of the source that runs a pass (the engine, the models and the CPU and GPU
-    kernels: every .py and .c file of the specdec and verify_kernels packages)."""
-    h = hashlib.sha256()
-    root = Path(__file__).resolve().parent
-    for pkg in (root, root.parent / "verify_kernels"):
-        for f in sorted(pkg.rglob("*")):
-            if f.suffix in (".py", ".c") and f.is_file():
-                h.update(f.relative_to(pkg).as_posix().encode())
-                h.update(f.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def machine_name() -> str:
-    """The CPU's model name (what /proc/cpuinfo reports) and its core count."""
-    name = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name or 'unknown cpu'} x{os.cpu_count()}"
-
-
-def _write_atomic(path: Path, data: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache only costs the next start a calibration
-        pass

@@ -74,7 +74,7 @@ def test_calibration_is_cached(tmp_path):
 def test_calibration_stops_at_its_time_budget_and_its_cache_says_so(tmp_path, monkeypatch):
     # A slow pass (a small model on the portable kernels): the larger sizes are left to the
     # curve's slope, and the cut curve, cached, is not measured again at the next start.
-    import specdec.cost_model as cm
+    import specdec.calibration as cm
 
     monkeypatch.setattr(cm, "CALIBRATION_BUDGET_S", 0.05)
     calls: list[int] = []
@@ -153,7 +153,7 @@ def test_chained_steps_price_their_rows_in_the_batched_shape(tmp_path):
     # The calibration's one segment jumps at 96 rows; 16 sequences drafting 8 deep, chained,
     # cost far less than it says. Their time prices those rows, interpolated down to the
     # plain batch, and leaves them no extra; a host-planned drafted step keeps its own.
-    from specdec.cost_model import CALIBRATION_ROWS
+    from specdec.calibration import CALIBRATION_ROWS
 
     c = CostModel()
     c.calibrate(_never, 128, _cached_curve(tmp_path, "c.json",
@@ -174,7 +174,7 @@ def test_chained_steps_price_their_rows_in_the_batched_shape(tmp_path):
 def test_host_planned_drafted_steps_correct_a_calibration_that_overprices_their_rows(tmp_path):
     # One segment of 96+ rows calibrated at 20 ms; 16 sequences drafting 8 deep, planned on
     # the host, take 10.5 ms in all. Priced by the calibration, drafting would never pay again.
-    from specdec.cost_model import CALIBRATION_ROWS
+    from specdec.calibration import CALIBRATION_ROWS
 
     c = CostModel()
     c.calibrate(_never, 128, _cached_curve(tmp_path, "c.json",

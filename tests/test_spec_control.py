@@ -10,7 +10,7 @@ import pytest
 from test_cost_model import _cached_curve, _never
 
 from specdec import LLM, SamplingParams
-from specdec.cost_model import CALIBRATION_ROWS
+from specdec.calibration import CALIBRATION_ROWS
 from specdec.spec_control import (
     PRIOR_ACCEPT,
     PROBE_EVERY,
