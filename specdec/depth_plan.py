@@ -1,0 +1,155 @@
+"""The choice of draft depths for one step, given each sequence's alternatives (drafter, depth
+limit, per-position survival) and what steps and drafters cost: pure functions, no state. The
+speculation controller (specdec/spec_control.py) learns the survivals and costs and calls them;
+the algorithm is described there.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class Alternative:
+    """One way a sequence can speculate this step: a drafter, how deep it may go, its tree
+    width (nodes per unit of depth) and its survival S_1 .. S_max_k."""
+
+    method: str
+    max_k: int
+    width: int
+    survival: list[float]
+    lookup: bool = False  # a lookup drafter: free, but it may find nothing to propose
+    # A model drafter behind on this sequence's tokens (it has not drafted for it lately): its
+    # next proposal first feeds all it missed, `catch_up` seconds beyond a usual one (0.0 where
+    # its pass is not calibrated), so a probe starts it only where that is cheap.
+    stale: bool = False
+    catch_up: float = 0.0
+    # Seconds a step costs on top while this sequence drafts: a stale drafter's catch-up (a
+    # prefill of the prompt, for a new request) spread over the steps the sequence has left
+    # (`SpeculationController.start_cost`).
+    start: float = 0.0
+
+
+
+PassTime = Callable[[int], float]  # query rows -> seconds
+DraftTime = Callable[[str, int, int], float]  # (method, drafting sequences, depth) -> seconds
+SpecTime = Callable[[int], float]  # drafting sequences -> seconds beyond the rows' pass
+
+
+def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: PassTime,
+                draft_time: DraftTime, tie: float = 0.0, margin: float = 0.0,
+                spec_time: SpecTime | None = None) -> tuple[list[int], float]:
+    """Depth per alternative (one per sequence) that maximises expected emitted tokens per
+    second of the step, and that rate. `base_rows`: the step's rows before any draft node;
+    `plain`: sequences in it that sample one token without speculating; `spec_time`: what a
+    step costs beyond `pass_time` of its rows for its sequences that draft. Among allocations
+    within `tie` of the best rate, the one that emits the most wins; and speculation at all
+    only where its rate beats plain decoding's by `margin` (measured costs are noisy, and a
+    choice that gains 2% on paper can lose 5% in fact)."""
+    n = len(alts)
+    # Each cost asked once: the orders scanned share most of their rows and depths.
+    pass_time, draft_time = functools.cache(pass_time), functools.cache(draft_time)
+    host = functools.cache(spec_time) if spec_time else (lambda s: 0.0)
+    methods = sorted({a.method for a in alts})
+    costly = [m for m in methods if draft_time(m, sum(a.method == m for a in alts), 1) > 0]
+    deepest = {m: max(a.max_k for a in alts if a.method == m) for m in methods}
+
+    def rate_of(gain: float, rows: int, cost: float) -> float:
+        cost += pass_time(rows)
+        return gain / cost if cost > 0 else gain
+
+    found = [(rate_of(plain + n, base_rows, 0.0), float(plain + n), 0, 0)]  # rate, gain, order,
+    orders: list[list[tuple[int, int]]] = [[]]  # ... its prefix; found[0]: no draft at all
+
+    def scan(items: list[tuple[float, int, int]]) -> None:
+        items.sort(key=lambda t: -t[0])  # stable: a sequence's positions stay in order
+        orders.append([(i, j) for _, i, j in items])
+        gain, rows, speculating, starting = float(plain + n), base_rows, 0, 0.0
+        drafting = {m: 0 for m in methods}
+        depth_of = {m: 0 for m in methods}
+        for p, (_, i, j) in enumerate(items, 1):
+            a = alts[i]
+            gain += a.survival[j]
+            rows += a.width
+            if j == 0:
+                drafting[a.method] += 1
+                speculating += 1
+                starting += a.start
+            if j >= depth_of[a.method]:
+                depth_of[a.method] = j + 1
+            cost = host(speculating) + starting
+            for m in methods:
+                if drafting[m]:
+                    cost += draft_time(m, drafting[m], depth_of[m])
+            found.append((rate_of(gain, rows, cost), gain, len(orders) - 1, p))
+
+    limits = []  # per cap on each costly drafter's depth, each sequence's deepest position
+    for caps in itertools.product(*(range(deepest[m] + 1) for m in costly)):
+        cap = dict(zip(costly, caps))
+        limits.append([min(a.max_k, cap.get(a.method, a.max_k)) for a in alts])
+        scan([(a.survival[j] / a.width, i, j) for i, a in enumerate(alts)
+              for j in range(limits[-1][i])])
+    per_seq = (host(n) - host(1)) / (n - 1) if n > 1 else 0.0
+    if per_seq > 0 or any(a.start for a in alts):
+        first_best = max(f[0] for f in found)  # prices host work and starts, in tokens
+        for limit in limits:
+            items = []
+            for i, a in enumerate(alts):
+                gains = itertools.accumulate(a.survival[:limit[i]])
+                price = first_best * (per_seq + a.start)
+                bundle, value = max(((d, (g - price) / (d * a.width))
+                                     for d, g in enumerate(gains, 1)),
+                                    key=lambda t: t[1], default=(0, 0.0))
+                items += [(value, i, j) for j in range(bundle)]
+                items += [(a.survival[j] / a.width, i, j) for j in range(bundle, limit[i])]
+            scan(items)
+    top = max(f[0] for f in found)
+    if top <= (1 + margin) * found[0][0]:
+        return [0] * n, found[0][0]
+    rate, _, order, prefix = max((f for f in found if f[0] >= (1 - tie) * top),
+                                 key=lambda f: (f[1], f[0]))
+    ks = [0] * n
+    for i, j in orders[order][:prefix]:
+        ks[i] = j + 1
+    return ks, rate
+
+
+StepTime = Callable[[int, int], float]  # (rows per sequence, drafting sequences) -> seconds
+
+
+def uniform_depths(alts: list[Alternative], base_q: int, plain: int, step_time: StepTime,
+                   draft_time: DraftTime, tie: float = 0.0,
+                   margin: float = 0.0) -> tuple[list[int], float]:
+    """`best_depths` for a runner that pads every sequence of a step to the deepest one's rows
+    (CUDA graph buckets are B sequences of Q rows): one depth k for the batch, each sequence
+    at min(k, its max_k), the k with the highest rate; none where speculation does not beat
+    plain decoding by `margin`. Mixed depths there pay the deepest's rows for every sequence
+    (on the H200 at batch 16 the controller's steps of depths 3 to 8 cost 11.5 ms where
+    fixed k = 4 cost 7.3 ms at about the same tau). `base_q`: the rows per sequence the step
+    has before the candidates draft (1, or a fixed-k request's tree); `step_time`: the whole
+    step by its rows per sequence and drafting sequences (CostModel.step_time at the batch's
+    size), host work included; `tie` as in best_depths."""
+    n = len(alts)
+    plain_cost = step_time(base_q, 0)
+    plain_rate = (plain + n) / max(1e-12, plain_cost)
+    found = [(plain_rate, float(plain + n), [0] * n)]
+    for k in range(1, max((a.max_k for a in alts), default=0) + 1):
+        ks = [min(k, a.max_k) for a in alts]
+        gain = float(plain + n) + sum(sum(a.survival[:d]) for a, d in zip(alts, ks))
+        q = max([base_q] + [1 + d * a.width for a, d in zip(alts, ks)])
+        deepest: dict[str, tuple[int, int]] = {}  # method -> (drafting, depth)
+        for a, d in zip(alts, ks):
+            if d:
+                cnt, dep = deepest.get(a.method, (0, 0))
+                deepest[a.method] = (cnt + 1, max(dep, d))
+        cost = step_time(q, sum(1 for d in ks if d)) + sum(a.start for a, d in zip(alts, ks) if d)
+        cost += sum(draft_time(m, cnt, dep) for m, (cnt, dep) in deepest.items())
+        found.append((gain / cost if cost > 0 else gain, gain, ks))
+    top = max(f[0] for f in found)
+    if top <= (1 + margin) * plain_rate:
+        return [0] * n, plain_rate
+    rate, _, ks = max((f for f in found if f[0] >= (1 - tie) * top), key=lambda f: (f[1], f[0]))
+    return ks, rate
