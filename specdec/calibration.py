@@ -1,6 +1,7 @@
 """Timing a model's pass by query rows at start, for the speculation controller's cost model
-(specdec/cost_model.py): one segment of n rows at a 256-token context, on slots no request
-holds yet, through whatever a step runs (CUDA graphs, the CPU kernels). The curve is cached per
+(specdec/cost_model.py): n rows in the shape a decode step gives them (sequences of at most
+SEGMENT_ROWS rows, each at a 256-token context), on slots no request holds yet, through
+whatever a step runs (CUDA graphs, the CPU kernels). The curve is cached per
 machine, model, dtype, quantization, kernel, thread count and code digest."""
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
 CONTEXT = 256  # tokens before the timed rows
 CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 CALIBRATION_PASSES = 3  # per row count, the fastest kept
+# Rows per timed sequence: a step of more is timed as a batch of sequences drafting 7 deep. One
+# segment of 96 or 128 rows fits no CUDA graph bucket and ran eagerly at 10-23 ms on an H100,
+# where 16 sequences of 9 rows replay a graph in about 8 ms: priced by it, the controller never
+# drafted deep at batch 16 or at all at batch 64 (bench/results/HISTORY.md, 2026-12-06).
+SEGMENT_ROWS = 8
 # Seconds one curve's calibration may take: the sizes past it are left to the curve's slope. A
 # 135m model on the portable kernels (a CPU without AVX-512) took over 200 s to 128 rows and
 # held its server's first start past five minutes; the default 1.5b target on AVX-512 takes
@@ -41,7 +47,14 @@ def calibrate_runner(runner: ModelRunner, max_batched_tokens: int, measure: Meas
     from specdec.step_inputs import Segment  # here: step_inputs -> drafters -> runner -> us
 
     ctx, bs = CONTEXT, runner.block_size
-    rows = min(max_batched_tokens, 128, runner.num_blocks * bs - ctx)
+    span = -(-(ctx + SEGMENT_ROWS) // bs)  # blocks each timed sequence holds
+
+    def fits(n: int) -> bool:
+        return -(-n // SEGMENT_ROWS) * span <= runner.num_blocks
+
+    rows = min(max_batched_tokens, 128)
+    while rows >= 1 and not fits(rows):
+        rows -= 1
     if rows < 1:
         return {}
     mc, dev = runner.mc, runner.device
@@ -49,11 +62,15 @@ def calibrate_runner(runner: ModelRunner, max_batched_tokens: int, measure: Meas
     def run_pass(n: int) -> None:
         # Slots no request holds yet (none is admitted): what they are left holding is
         # overwritten before any request reads it.
-        runner.execute([Segment(
-            tokens=[0] * n, positions=list(range(ctx, ctx + n)),
-            slots=list(range(ctx, ctx + n)), context_len=ctx,
-            block_table=list(range((ctx + n + bs - 1) // bs)),
-            logits_rows=tuple(range(n)))])
+        segments = []
+        for i, start in enumerate(range(0, n, SEGMENT_ROWS)):
+            q = min(SEGMENT_ROWS, n - start)
+            table = list(range(i * span, i * span + -(-(ctx + q) // bs)))
+            segments.append(Segment(
+                tokens=[0] * q, positions=list(range(ctx, ctx + q)),
+                slots=[i * span * bs + p for p in range(ctx, ctx + q)], context_len=ctx,
+                block_table=table, logits_rows=tuple(range(q))))
+        runner.execute(segments)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
@@ -61,7 +78,7 @@ def calibrate_runner(runner: ModelRunner, max_batched_tokens: int, measure: Meas
     cache = cache_file(cache_root() / "costs", machine=where, model=mc.model, dtype=mc.dtype,
                        quantization=mc.quantization, kernel=mc.cpu_kernel,
                        threads=torch.get_num_threads(), rows=rows, code=code_digest(),
-                       version=2)
+                       version=3)
     return measure(run_pass, rows, cache)
 
 

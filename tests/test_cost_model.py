@@ -217,3 +217,48 @@ def test_whole_steps_by_batch_and_rows_per_sequence():
     assert c.step_time(4, 5, 4) == 0.010  # the median of the recent ones
     c.forget_steps()
     assert c.steps == {}
+
+
+def test_calibration_times_rows_in_a_decode_steps_shape_and_leaves_generation_alone(
+        tiny_llama, tmp_path, monkeypatch):
+    # Past SEGMENT_ROWS the rows are timed as a batch of sequences (one segment of 96 rows fits
+    # no CUDA graph bucket); each sequence writes only blocks no request holds, and generation
+    # after it is what it is without it.
+    from specdec.calibration import SEGMENT_ROWS, calibrate_runner
+    from specdec.llm import LLM
+    from specdec.sampling_params import SamplingParams
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    p = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = [[1, 5, 9, 3, 7, 5, 9, 3], [2, 4, 6]]
+    ref = [o.token_ids for o in LLM(model=str(tiny_llama), speculative={"method": "none"})
+           .generate(prompts, p)]
+    llm = LLM(model=str(tiny_llama), speculative={"method": "none"})
+    runner, steps = llm.engine.runner, []
+    execute = runner.execute
+
+    def spy(segments, *args, **kw):
+        steps.append(segments)
+        return execute(segments, *args, **kw)
+
+    monkeypatch.setattr(runner, "execute", spy)
+    timed = {}
+
+    def measure(run_pass, max_rows, cache):
+        for n in (1, 8, 9, max_rows):
+            steps.clear()
+            run_pass(n)
+            timed[n] = steps[0]
+        return {}
+
+    calibrate_runner(runner, 128, measure)
+    assert max(timed) > 2 * SEGMENT_ROWS
+    for n, segments in timed.items():
+        assert sum(len(s.tokens) for s in segments) == n
+        assert all(len(s.tokens) <= SEGMENT_ROWS for s in segments)
+        slots = [x for s in segments for x in s.slots]
+        assert len(set(slots)) == len(slots)
+        blocks = [b for s in segments for b in s.block_table]
+        assert len(set(blocks)) == len(blocks)  # no two sequences share a block
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(prompts, p)] == ref
