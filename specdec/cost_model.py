@@ -185,12 +185,15 @@ class CostModel:
 
     def deepest_step(self, batch: int) -> int:
         """The most rows per sequence of a whole decode step measured at the batch size
-        nearest `batch` (1 where none is): how deep a padding runner's plan may go this step
-        (one deeper than measured, q = k + 1)."""
+        nearest `batch`, or that the calibration timed in all at `batch` sequences (its rows
+        come in a decode step's shape: specdec/calibration.py), less the one row a step adds;
+        1 where neither says more: how deep a padding runner's plan may go this step (one
+        deeper than measured, q = k + 1)."""
+        timed = max(self.calibration.best, default=0) // max(1, batch) - 1
         if not self.steps:
-            return 1
+            return max(1, timed)
         near = min(self.steps, key=lambda b: (abs(b - batch), -b))
-        return max(1, max(self.steps[near].sizes, default=1))
+        return max(1, timed, max(self.steps[near].sizes, default=1))
 
     def forget_steps(self) -> None:
         """Drop what real steps and proposals taught, keeping the calibrations: the costs of

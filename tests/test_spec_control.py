@@ -391,3 +391,19 @@ def test_a_fresh_padding_runner_goes_deeper_one_measured_step_at_a_time():
     c.record_pass(1, gpu_b1(1), 0, False, 1, 1)
     climb = _padded_run(c, ["t"], 80, lookup, gpu_b1, random.Random(7))
     assert climb.count(8) >= 20 and all(b <= a + 1 for a, b in zip(climb, climb[1:]))
+
+
+def test_a_calibrated_padding_runner_goes_as_deep_at_once_as_the_calibration_timed(tmp_path):
+    # The calibration timed up to 128 rows in a decode step's shape: at batch 1 the plan may
+    # go 8 deep at its first drafted step; at batch 16, 7 deep (8 rows a sequence); at batch
+    # 64, only one row past what real steps measured, as without a calibration.
+    def cost(q):
+        return 0.0055 + 0.00002 * q
+
+    c = SpeculationController()
+    c.uniform = True
+    c.costs.calibrate(_never, 128, _cached_curve(tmp_path, "t.json", cost, CALIBRATION_ROWS))
+    assert [c.costs.deepest_step(b) for b in (1, 4, 16, 32, 64, 128)] == [127, 31, 7, 3, 1, 1]
+    c.record_pass(1, cost(1), 0, False, 1, 1)
+    climb = _padded_run(c, ["t"], 6, [0.9] * 8, cost, random.Random(1))
+    assert climb[0] == 8  # no climb a row a step
