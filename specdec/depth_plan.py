@@ -136,9 +136,10 @@ def uniform_depths(alts: list[Alternative], base_q: int, plain: int, step_time: 
     plain_cost = step_time(base_q, 0)
     plain_rate = (plain + n) / max(1e-12, plain_cost)
     found = [(plain_rate, float(plain + n), [0] * n)]
+    sums = [list(itertools.accumulate(a.survival, initial=0.0)) for a in alts]  # S_1 + .. + S_d
     for k in range(1, max((a.max_k for a in alts), default=0) + 1):
         ks = [min(k, a.max_k) for a in alts]
-        gain = float(plain + n) + sum(sum(a.survival[:d]) for a, d in zip(alts, ks))
+        gain = float(plain + n) + sum(c[min(d, len(c) - 1)] for c, d in zip(sums, ks))
         q = max([base_q] + [1 + d * a.width for a, d in zip(alts, ks)])
         deepest: dict[str, tuple[int, int]] = {}  # method -> (drafting, depth)
         for a, d in zip(alts, ks):
