@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--max-nodes", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma-separated starts of the config labels to run "
+                    "(e.g. 'draft,eagle chain'); plain always runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -103,7 +105,10 @@ def main() -> None:
         if not prompts:
             continue
         rows: dict[str, Any] = {}
+        only = set(args.only.split(",")) - {""}
         for label, spec in configs(args):
+            if only and label != "plain" and not any(label.startswith(o) for o in only):
+                continue
             r = run(args.target, spec, prompts, args.max_tokens)
             rows[label] = r
             print(f"{name:9s} {label:28s} tau {r['tau']:.2f}  {r['tokens_per_s']:.1f} tok/s",
