@@ -96,8 +96,9 @@ def main() -> None:
     from specdec.config import ModelConfig, resolve_model_config
 
     tok = AutoTokenizer.from_pretrained(resolve_model_config(ModelConfig(model=args.target)).path)
-    sets = {"sharegpt": prompt_sets.load("sharegpt", tok, args.sharegpt),
-            "humaneval": prompt_sets.load("humaneval", tok, args.humaneval)}
+    # A set of 0 prompts is not loaded: finding no ShareGPT record reads the whole file.
+    sets = {name: prompt_sets.load(name, tok, n) if n else []
+            for name, n in (("sharegpt", args.sharegpt), ("humaneval", args.humaneval))}
     results: dict[str, Any] = {"target": args.target, "draft": args.draft, "head": args.head,
                                "max_tokens": args.max_tokens, "threads": args.threads,
                                "date": datetime.date.today().isoformat(), "sets": {}}
