@@ -87,9 +87,7 @@ class Acceptance:
         self.decay = decay
         self.offered: list[float] = []
         self.accepted: list[float] = []
-        # The last survival asked, (k, prior) -> S: every sequence's choice asks its drafter's
-        # profile the same each step, and a sequence that did not draft asks the same again
-        # (at batch 64 the choice took 1-2 ms of host time a step, half of it here).
+        # The last survival asked, (k, prior) -> S: each step asks the drafter's profile the same
         self._last: tuple[tuple[int, tuple[float, ...]], list[float]] | None = None
 
     def observe(self, depth: int, accepted: int) -> None:
@@ -127,12 +125,7 @@ class Acceptance:
 
 
 def geometric(a: float, k: int) -> list[float]:
-    return list(_powers(a, k))
-
-
-@functools.cache
-def _powers(a: float, k: int) -> tuple[float, ...]:
-    return tuple(a ** (j + 1) for j in range(k))
+    return [a ** (j + 1) for j in range(k)]
 
 
 @dataclass
