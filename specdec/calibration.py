@@ -48,13 +48,7 @@ def calibrate_runner(runner: ModelRunner, max_batched_tokens: int, measure: Meas
 
     ctx, bs = CONTEXT, runner.block_size
     span = -(-(ctx + SEGMENT_ROWS) // bs)  # blocks each timed sequence holds
-
-    def fits(n: int) -> bool:
-        return -(-n // SEGMENT_ROWS) * span <= runner.num_blocks
-
-    rows = min(max_batched_tokens, 128)
-    while rows >= 1 and not fits(rows):
-        rows -= 1
+    rows = min(max_batched_tokens, 128, runner.num_blocks // span * SEGMENT_ROWS)
     if rows < 1:
         return {}
     mc, dev = runner.mc, runner.device

@@ -33,7 +33,6 @@ class Alternative:
     start: float = 0.0
 
 
-
 PassTime = Callable[[int], float]  # query rows -> seconds
 DraftTime = Callable[[str, int, int], float]  # (method, drafting sequences, depth) -> seconds
 SpecTime = Callable[[int], float]  # drafting sequences -> seconds beyond the rows' pass

@@ -17,7 +17,7 @@ depth, and for a fixed number of extra rows the best allocation takes the larges
 gains per row across the batch (an exchange argument). `best_depths` scans those allocations,
 for every cap on each costly drafter's depth (a draft model's time grows with the deepest chain
 it drafts), and keeps the highest rate: for chains and per-drafter costs that do not depend on
-how many sequences draft, that is the brute-force optimum (tests/test_spec_control.py), a cost
+how many sequences draft, that is the brute-force optimum (tests/test_depth_plan.py), a cost
 of speculating at all included. Nothing switches at a batch size: as the batch grows, each
 sequence's depth falls one step at a time where its marginal token stops paying for its row.
 
@@ -254,9 +254,10 @@ class SpeculationController:
         ks = plan(alts)
         exploring = False
         if self.uniform:
-            # The plan's depth, but no deeper than one row past the whole steps measured near
-            # this batch size: a fresh H100 at batch 64, planning from the calibration and the
-            # prior, took 4 whole steps 8 deep for an n-gram drafter (0.91x of off in all).
+            # The plan's depth, but no deeper than the calibration timed at this batch size or
+            # one row past the whole steps measured near it (CostModel.deepest_step): a fresh
+            # H100 at batch 64, planning from the prior, took 4 whole steps 8 deep for an
+            # n-gram drafter (0.91x of off in all).
             # Where that binds, the next step asks again (no holding), one row deeper allowed,
             # until the measured costs stop the plan. The plan itself is not limited: at batch
             # 1 an n-gram drafter's first position alone did not pay, its eight did, and a plan

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from specdec.calibration import CALIBRATION_ROWS
 from specdec.cost_model import HOST_AGE, CostModel
 
 
@@ -150,11 +151,10 @@ def test_a_calibration_spike_is_cut_to_the_cheapest_larger_size(tmp_path):
 
 
 def test_chained_steps_price_their_rows_in_the_batched_shape(tmp_path):
-    # The calibration's one segment jumps at 96 rows; 16 sequences drafting 8 deep, chained,
-    # cost far less than it says. Their time prices those rows, interpolated down to the
-    # plain batch, and leaves them no extra; a host-planned drafted step keeps its own.
-    from specdec.calibration import CALIBRATION_ROWS
-
+    # A calibration that jumps at 96 rows (as one segment of that many rows did, run eagerly);
+    # 16 sequences drafting 8 deep, chained, cost far less than it says. Their time prices those
+    # rows, interpolated down to the plain batch, and leaves them no extra; a host-planned
+    # drafted step keeps its own.
     c = CostModel()
     c.calibrate(_never, 128, _cached_curve(tmp_path, "c.json",
                                            lambda r: 0.004 if r <= 64 else 0.016,
@@ -172,10 +172,8 @@ def test_chained_steps_price_their_rows_in_the_batched_shape(tmp_path):
 
 
 def test_host_planned_drafted_steps_correct_a_calibration_that_overprices_their_rows(tmp_path):
-    # One segment of 96+ rows calibrated at 20 ms; 16 sequences drafting 8 deep, planned on
-    # the host, take 10.5 ms in all. Priced by the calibration, drafting would never pay again.
-    from specdec.calibration import CALIBRATION_ROWS
-
+    # 96+ rows calibrated at 20 ms; 16 sequences drafting 8 deep, planned on the host, take
+    # 10.5 ms in all. Priced by the calibration, drafting would never pay again.
     c = CostModel()
     c.calibrate(_never, 128, _cached_curve(tmp_path, "c.json",
                                            lambda r: 0.0046 if r <= 64 else 0.020,
