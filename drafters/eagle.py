@@ -29,6 +29,7 @@ from drafters.base import Drafter, DraftRequest, Option, register
 from drafters.eagle_head import EagleHead, load_head
 from drafters.tree import DraftTree
 from specdec.config import ModelConfig
+from specdec.models.quant_linear import QuantLinear
 from specdec.sampler import process_logits
 
 HEADS_DIR = Path(__file__).resolve().parent.parent / "specdec" / "heads"
@@ -76,7 +77,11 @@ class EagleDrafter(Drafter):
                              "speculative={'method': 'eagle', 'eagle_head': DIR}")
         p = next(target_model.parameters())
         hf = target_model.hf
-        self.head: EagleHead = load_head(path, int(hf["hidden_size"]), p.dtype, p.device)
+        # A target whose weights stay quantized runs an int8 head on the same kernels.
+        quantized = any(isinstance(m, QuantLinear) for m in target_model.modules())
+        self.head: EagleHead = load_head(path, int(hf["hidden_size"]), p.dtype, p.device,
+                                         int8_kernels=quantized)
+        self.dtype = p.dtype
         self.embed = target_model.model.embed_tokens
         self.lm_head = target_model.lm_head
         self.vocab_size = int(hf["vocab_size"])
@@ -100,7 +105,7 @@ class EagleDrafter(Drafter):
     def observe(self, request_id: str, start: int, tokens: list[int],
                 features: torch.Tensor) -> None:
         s = self._states.setdefault(request_id, _State(base=start))
-        fused = self.head.fuse(features.to(self.head.fc.weight.dtype))  # [n, H]
+        fused = self.head.fuse(features.to(self.dtype))  # [n, H]
         end = s.base + s.num_feats
         if start > end or start < s.base:
             # A gap (a prefix-cache hit skipped positions) or a rewrite: start a new run.

@@ -18,7 +18,8 @@ EAGLE-3 (architectures ["LlamaForCausalLMEagle3"]):
     (t2d marks exactly the target ids some draft id maps to; load_head checks it)
 Embeddings come from the target (a checkpoint's own embed_tokens.weight is ignored).
 A head saved with `quantize="int8"` holds its Linear weights as int8 with float16 scales
-(drafters/eagle_quant.py) and says so in config.json; load_head dequantizes it.
+(drafters/eagle_quant.py) and says so in config.json; load_head dequantizes it, or keeps it int8
+on the CPU's quantized kernels where the target runs on them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.eagle_quant import QUANT_KEY, dequantize_state, quantize_state
+from drafters.eagle_quant import (
+    QUANT_KEY,
+    SCALE_SUFFIX,
+    dequantize_state,
+    quant_linear,
+    quantize_state,
+)
 from specdec.models.llama import RMSNorm
 from specdec.models.rope import RotaryEmbedding
 
@@ -184,11 +191,12 @@ class EagleHead(nn.Module):
 
 
 def load_head(path: str | Path, target_hidden: int | None = None,
-              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-              ) -> EagleHead:
+              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              int8_kernels: bool = False) -> EagleHead:
     """Build a head from a directory with config.json and model.safetensors (or the
-    pytorch_model.bin of the EAGLE-1 releases); shapes are checked name by name, an int8 head
-    is dequantized, and an EAGLE-3 draft vocabulary must map one-to-one."""
+    pytorch_model.bin of the EAGLE-1 releases); shapes are checked name by name, and an EAGLE-3
+    draft vocabulary must map one-to-one. An int8 head is dequantized, or with `int8_kernels`
+    (float32 on the CPU only) its Linear layers stay int8 on the CPU's quantized kernels."""
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
     qcfg = hf.pop(QUANT_KEY, None)  # the built head is a float head
@@ -202,6 +210,9 @@ def load_head(path: str | Path, target_hidden: int | None = None,
     else:
         raise FileNotFoundError(f"{path} has no model.safetensors or pytorch_model.bin")
     sd = {k.removeprefix("model."): v for k, v in sd.items() if k != "embed_tokens.weight"}
+    if qcfg and int8_kernels and torch.device(device).type == "cpu" and dtype == torch.float32:
+        kept = _keep_int8(head, sd, qcfg, str(path))
+        qcfg = {**qcfg, "weights": [n for n in qcfg["weights"] if n not in kept]}
     if qcfg:
         sd = dequantize_state(sd, qcfg)
     own = head.state_dict()
@@ -217,6 +228,32 @@ def load_head(path: str | Path, target_hidden: int | None = None,
     if head.eagle3:
         check_draft_vocab(head, str(path))
     return head.to(device=device, dtype=dtype).eval()
+
+
+def _keep_int8(head: EagleHead, sd: dict[str, torch.Tensor], qcfg: dict[str, Any], where: str
+               ) -> set[str]:
+    """Put QuantLinears in place of the head's Linears whose int8 weights the CPU kernels take
+    as stored; their entries leave `sd`. The names of the weights so kept."""
+    kept = set()
+    for name in qcfg.get("weights", []):
+        module = name.removesuffix(".weight")
+        lin = head.get_submodule(module)
+        q, scale = sd.get(name), sd.get(name + SCALE_SUFFIX)
+        if not isinstance(lin, nn.Linear) or q is None or scale is None or q.dtype != torch.int8:
+            continue  # dequantize_state says what is wrong
+        if tuple(q.shape) != tuple(lin.weight.shape):
+            raise ValueError(f"EAGLE head {where}: {name} has shape {tuple(q.shape)}, "
+                             f"expected {tuple(lin.weight.shape)}")
+        bias = sd.get(module + ".bias") if lin.bias is not None else None
+        layer = quant_linear(q, scale, None if bias is None else bias.float())
+        if layer is None or (lin.bias is not None and bias is None):
+            continue
+        parent, _, leaf = module.rpartition(".")
+        setattr(head.get_submodule(parent) if parent else head, leaf, layer)
+        for key in (name, name + SCALE_SUFFIX, module + ".bias"):
+            sd.pop(key, None)
+        kept.add(name)
+    return kept
 
 
 def linear_weights(head: EagleHead) -> list[str]:

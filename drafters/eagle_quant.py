@@ -6,8 +6,10 @@ float16 s [N, G], G = K / group_size (G = 1: one scale per output row):
     w[n, g*group_size + j] ~= q[n, g*group_size + j] * s[n, g],  q in [-127, 127],
 symmetric, s = max |w| of the group / 127. The head's config.json records it under QUANT_KEY:
     {"method": "int8", "group_size": 0 (per row) or g, "weights": [the names stored so]}.
-Loading dequantizes to float: the head is small next to the target, and drafting keeps one
-code path for every head.
+Loading dequantizes to float, or, next to a target whose weights stay quantized on the CPU,
+keeps them int8 (`quant_linear`): the CPU's int8 kernels (specdec/models/quant_linear.py, kind
+"q8") hold exactly these values with the scale repeated over each group of 32 columns, so a head
+step reads a byte a weight instead of four.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from specdec.models.quant_linear import GROUP, QuantLinear, QuantWeight
 
 QUANT_KEY = "specdec_quantization"
 SCALE_SUFFIX = "_scale"
@@ -40,6 +44,18 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     g = scale.shape[1]
     return (q.float().reshape(n, g, k // g) * scale.float().unsqueeze(-1)).reshape(n, k)
+
+
+def quant_linear(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> QuantLinear | None:
+    """q [N, K] int8 and scale [N, G] as a QuantLinear of kind "q8" with the same weights (no
+    rounding: a scale per row or per group of a multiple of 32 columns is a scale per group of
+    32); None where K or the group size is not a multiple of 32."""
+    n, k = q.shape
+    if k % GROUP or (k // scale.shape[1]) % GROUP:
+        return None
+    d = scale.float().repeat_interleave(k // scale.shape[1] // GROUP, dim=1)  # [N, K / 32]
+    return QuantLinear([QuantWeight.pack("q8", q, d, None)], bias)
 
 
 def quantize_state(sd: dict[str, torch.Tensor], names: list[str], group_size: int = 0

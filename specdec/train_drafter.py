@@ -27,9 +27,9 @@
    drafting does (a step-s row attends committed keys and its own earlier draft keys only).
    Loss: smooth-L1 to the target's next feature (EAGLE-1/2 only) plus cross-entropy to the
    target's greedy token, computed over the tokens seen as labels (a cheap stand-in for the full
-   vocabulary on CPU). AdamW, linear warm-up then cosine decay, bf16 autocast on CUDA;
-   a checkpoint after every epoch makes a rerun resume (train_state.pt, also holding each
-   epoch's mean loss).
+   vocabulary on CPU). A new EAGLE-3 head starts with the target's final norm and LM-head
+   rows. AdamW, linear warm-up then cosine decay, bf16 autocast on CUDA; a checkpoint after
+   every epoch makes a rerun resume (train_state.pt, also holding each epoch's mean loss).
 5. `--quantize int8` stores the head's Linear weights as int8 with float16 scales per output
    row (or per `--quant-group-size` columns): half the float16 size, for shipping
    (drafters/eagle_quant.py; `drafters.eagle_head.quantize_head(DIR)` does it to an
@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from drafters.eagle_head import (
     EagleHead,
+    draft_to_target,
     head_config,
     load_head,
     save_head,
@@ -193,6 +194,16 @@ def train(head: EagleHead, embed: torch.nn.Module, lm_w: torch.Tensor,
                   args.quant_group_size)
 
 
+@torch.no_grad()
+def init_from_target(head: EagleHead, target: torch.nn.Module) -> None:
+    """A new EAGLE-3 head starts from the target's final norm and the target's LM-head rows of
+    its draft vocabulary: the head learns to predict a state the target's own output layer
+    reads, instead of learning that layer too from a few thousand sequences."""
+    rows = draft_to_target(head, torch.arange(head.d2t.numel(), device=head.d2t.device))
+    head.lm_head.weight.copy_(target.lm_head.weight[rows.to(target.lm_head.weight.device)])
+    head.norm.weight.copy_(target.model.norm.weight)
+
+
 def sequences(args: argparse.Namespace, model_path: str, fdir: Path) -> list[list[int]]:
     """The token sequences to train on, kept in fdir/sequences.json: self-distillation is
     not redone on a rerun, and a rerun with other data settings is refused."""
@@ -331,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                                 minlength=int(target_hf["vocab_size"]))
         # The target's most frequent greedy tokens: what the head's labels are.
         set_draft_vocab(head, counts.topk(min(args.draft_vocab, counts.numel())).indices)
+        init_from_target(head, target)
     train(head, target.model.embed_tokens, target.lm_head.weight.detach(), data, args, out)
     print(f"head saved to {out} ({time.time() - t0:.0f}s)")
     if args.eval_prompts:

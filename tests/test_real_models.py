@@ -67,18 +67,28 @@ def test_speculative_greedy_equals_transformers_generate(smollm, hf_greedy):
     assert sum(o.spec.accepted_tokens for o in outs) > 0
 
 
-def test_quantized_speculative_greedy_equals_quantized_plain(smollm):
+def test_quantized_speculative_greedy_equals_quantized_plain(smollm, tmp_path):
     """The file's own 4-bit weights (the default): speculation keeps greedy output exactly,
-    with n-gram trees and with a draft model (the same GGUF, drafting in int4)."""
+    with n-gram trees, with a draft model (the same GGUF, drafting in int4), and with the
+    shipped EAGLE head stored as int8, which then drafts on the CPU's int8 kernels."""
+    from drafters.eagle import default_head_for
+    from drafters.eagle_head import quantize_head
+    from specdec.models.quant_linear import QuantLinear
+
     p = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     plain = LLM(model="smollm2-135m", speculative={"method": "none"})
     assert plain.engine.config.model.quantization == "auto"
     want = [o.token_ids for o in plain.generate(PROMPTS, p)]
     del plain
+    int8_head = str(quantize_head(default_head_for("smollm2-135m"), tmp_path / "int8"))
     for spec in ({"method": "ngram", "branches": 2},
                  {"method": "draft_model", "draft_model": "smollm2-135m",
-                  "num_speculative_tokens": 4}):
+                  "num_speculative_tokens": 4},
+                 {"method": "eagle", "eagle_head": int8_head, "num_speculative_tokens": 4}):
         llm = LLM(model="smollm2-135m", speculative=spec)
         outs = llm.generate(PROMPTS, p)
         assert [o.token_ids for o in outs] == want, spec
         assert sum(o.spec.accepted_tokens for o in outs) > 0
+        if spec["method"] == "eagle":
+            head = llm.engine.drafting.drafters[("eagle", int8_head)].head
+            assert isinstance(head.fc, QuantLinear) and head.fc.bias is not None

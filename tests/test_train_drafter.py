@@ -271,3 +271,42 @@ def test_int8_head_is_close_to_the_float_head_and_small(tmp_path, group):
     size = (tmp_path / "int8" / "model.safetensors").stat().st_size
     assert n_lin + 2 * scales + other + maps <= size <= n_lin + 2 * scales + other + maps + 4096
     assert size < 0.6 * (tmp_path / "f16" / "model.safetensors").stat().st_size
+
+
+def test_int8_head_runs_its_stored_weights_on_the_cpu_kernels(tmp_path):
+    """Next to a quantized target a head keeps its int8 weights: each Linear becomes a
+    QuantLinear holding exactly the stored values (no second rounding), and its logits differ
+    from the dequantized head's only by the kernels' int8 activations. Scales the kernels cannot
+    hold (groups of 16 columns) and float heads stay float."""
+    from specdec.models.quant_linear import QuantLinear
+
+    head, _ = tiny_eagle3(tmp_path, seed=4)
+    set_draft_vocab(head, torch.randperm(64, generator=torch.Generator().manual_seed(5))[:40])
+    save_head(head, tmp_path / "int8", quantize="int8")
+    ref = load_head(tmp_path / "int8")
+    q = load_head(tmp_path / "int8", int8_kernels=True)
+    names = [n.removesuffix(".weight") for n in linear_weights(ref)]
+    for n in names:
+        lin = q.get_submodule(n)
+        assert isinstance(lin, QuantLinear), n
+        w = lin.parts[0].dequantize()[:lin.out_features]
+        assert torch.equal(w, ref.get_submodule(n).weight), n
+    torch.manual_seed(6)
+    feats, emb = torch.randn(10, 192), torch.randn(10, 64)
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()
+    with torch.no_grad():
+        outs = []
+        for h in (ref, q):
+            x, _, _ = h.step(h.fuse(feats), emb, torch.arange(10), None, mask)
+            outs.append(h.logits(x, torch.nn.Identity()))  # [10, 64]
+    want, got = outs
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    rel = (got[fin] - want[fin]).pow(2).mean().sqrt() / want[fin].pow(2).mean().sqrt()
+    assert 0 < rel < 0.03, float(rel)
+
+    save_head(head, tmp_path / "g16", quantize="int8", group_size=16)
+    save_head(head, tmp_path / "float")
+    for d in ("g16", "float"):
+        kept = load_head(tmp_path / d, int8_kernels=True)
+        assert not any(isinstance(m, QuantLinear) for m in kept.modules()), d
