@@ -1,0 +1,63 @@
+"""One EAGLE head step on the CPU, the head's Linears dequantized to float32 against kept int8
+on the quantized kernels: a randomly initialised EAGLE-3 head of a target's shape (by default
+qwen2.5-coder-1.5b's, draft vocabulary 4096, as `specdec train-drafter --eagle3` builds it),
+stored int8 and loaded both ways. A step is one drafted position: fuse the captured features,
+the layer over 256 committed head positions, the draft LM head. Fastest of 30 passes each.
+
+    PYTHONPATH=. python3 bench/investigations/eagle_head_step.py [--target PRESET] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from drafters.eagle_head import EagleHead, head_config, load_head, save_head, set_draft_vocab
+from specdec.config import ModelConfig, resolve_model_config
+
+
+def step_ms(head: EagleHead, hidden: int, past: int) -> float:
+    feats, emb = torch.randn(1, 3 * hidden), torch.randn(1, hidden)
+    a = head.midlayer.self_attn
+    kv = (torch.randn(past, a.kv_heads, a.head_dim), torch.randn(past, a.kv_heads, a.head_dim))
+    mask = torch.ones(1, past + 1, dtype=torch.bool)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(30):
+            t = time.perf_counter()
+            h, _, _ = head.step(head.fuse(feats), emb, torch.tensor([past]), kv, mask)
+            head.logits(h, torch.nn.Identity())
+            best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model_config(ModelConfig(model=args.target)).path
+    hf = json.loads((Path(path) / "config.json").read_text())
+    hidden = int(hf["hidden_size"])
+    with tempfile.TemporaryDirectory() as d:
+        head = EagleHead(head_config(hf, True, args.draft_vocab))
+        set_draft_vocab(head, torch.arange(args.draft_vocab))
+        save_head(head, d, quantize="int8")
+        size = (Path(d) / "model.safetensors").stat().st_size
+        res = {"target": args.target, "draft_vocab": args.draft_vocab, "threads": args.threads,
+               "head_mb": round(size / 1e6, 1)}
+        for name, int8 in (("float32_ms", False), ("int8_kernels_ms", True)):
+            res[name] = round(step_ms(load_head(d, hidden, int8_kernels=int8), hidden, 256), 2)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
