@@ -34,6 +34,11 @@ from specdec.sampler import process_logits
 
 HEADS_DIR = Path(__file__).resolve().parent.parent / "specdec" / "heads"
 DEFAULT_TOP_K = 4
+# The most positions of a sequence the head reads when it starts on one: its first proposal runs
+# the head over every position it holds, a prefill of the head (bench/investigations/
+# eagle_head_step.py times it), so a long prompt is read from its last CONTEXT positions, as a
+# draft model does (drafters/draft_model.py DRAFT_CONTEXT).
+CONTEXT = 256
 DEFAULT_MAX_NODES = 16
 
 
@@ -105,7 +110,6 @@ class EagleDrafter(Drafter):
     def observe(self, request_id: str, start: int, tokens: list[int],
                 features: torch.Tensor) -> None:
         s = self._states.setdefault(request_id, _State(base=start))
-        fused = self.head.fuse(features.to(self.dtype))  # [n, H]
         end = s.base + s.num_feats
         if start > end or start < s.base:
             # A gap (a prefix-cache hit skipped positions) or a rewrite: start a new run.
@@ -115,6 +119,15 @@ class EagleDrafter(Drafter):
             s.num_feats = start - s.base
             if s.n_kv > s.num_feats:
                 s.k, s.v = s.k[:s.num_feats], s.v[:s.num_feats]
+        over = s.num_feats + features.shape[0] - CONTEXT
+        if s.n_kv == 0 and over > 0:  # not drafted yet: keep the last CONTEXT positions
+            old = min(over, s.num_feats)
+            if old:
+                s.feats = [s.features()[old:]] if old < s.num_feats else []
+                s.num_feats -= old
+            features = features[over - old:]
+            s.base += over
+        fused = self.head.fuse(features.to(self.dtype))  # [n, H]
         s.feats.append(fused)
         s.num_feats += fused.shape[0]
 

@@ -106,6 +106,30 @@ def test_greedy_equals_plain(tiny_llama, heads, reference, case):
     assert not llm.engine.drafting.drafters[("eagle", str(heads[head]))]._states
 
 
+def test_a_long_sequence_is_read_from_its_last_context_positions(tiny_llama, heads, reference,
+                                                                 monkeypatch):
+    """Before its first draft a sequence's head state keeps only the last CONTEXT positions
+    (chunk by chunk), so a long prompt's first proposal stays cheap; outputs are unchanged."""
+    import drafters.eagle as eagle
+
+    monkeypatch.setattr(eagle, "CONTEXT", 6)
+    spec = {"method": "eagle", "eagle_head": str(heads["eagle3"]), "num_speculative_tokens": 3}
+    llm = LLM(model=str(tiny_llama), speculative=spec)
+    d = llm.engine.drafting.drafter(llm.engine.drafting.resolve(None))
+    h = 3 * 64  # EAGLE-3 features: three captured residual streams of the hidden size
+    d.observe("r", 0, list(range(20)), torch.randn(20, h))
+    s = d._states["r"]
+    assert (s.base, s.num_feats, s.features().shape[0]) == (14, 6, 6)
+    d.observe("r", 20, list(range(24)), torch.randn(4, h))  # a further chunk, whole
+    assert (s.base, s.num_feats) == (18, 6)
+    d.observe("r", 24, list(range(26)), torch.randn(2, h))
+    assert (s.base, s.num_feats, s.features().shape[0]) == (20, 6, 6)
+    d.release("r")
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.spec.draft_tokens > 0 for o in outs)
+
+
 def test_tree_respects_per_request_settings(tiny_llama, heads):
     llm = LLM(model=str(tiny_llama), speculative={"method": "eagle",
                                                   "eagle_head": str(heads["eagle1"])})
