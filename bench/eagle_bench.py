@@ -57,10 +57,11 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 class Engine:
     """One configuration's engine, warmed up, with its drafter's proposal time counted."""
 
-    def __init__(self, target: str, spec: dict[str, Any]) -> None:
+    def __init__(self, target: str, spec: dict[str, Any], adaptive: bool = False) -> None:
         from specdec import LLM, SamplingParams
 
-        self.llm = LLM(model=target, speculative=spec)
+        self.llm = LLM(model=target, speculative=spec,
+                       adaptive_speculation=adaptive and spec["method"] != "none")
         self.method = spec["method"]
         self.llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=8))
         self.llm.engine.spec_totals.clear()
@@ -105,7 +106,7 @@ def compare(args: argparse.Namespace, chosen: list[tuple[str, dict[str, Any]]],
     """Every prompt through every engine in turn, `--passes` times; each prompt's fastest
     time per engine counts (this machine's runs of one engine on one prompt differ by up to a
     third)."""
-    engines = {label: Engine(args.target, spec) for label, spec in chosen}
+    engines = {label: Engine(args.target, spec, args.adaptive) for label, spec in chosen}
     best = {label: [float("inf")] * len(prompts) for label in engines}
     outputs: dict[str, list[list[int]]] = {label: [[] for _ in prompts] for label in engines}
     order = list(engines)
@@ -143,6 +144,8 @@ def main() -> None:
     ap.add_argument("--max-nodes", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--passes", type=int, default=1, help="runs of each prompt per engine")
+    ap.add_argument("--adaptive", action="store_true", help="the goodput controller chooses "
+                    "each step's depth, up to each configuration's (as `specdec serve` does)")
     ap.add_argument("--only", default="", help="comma-separated starts of the config labels to run "
                     "(e.g. 'draft,eagle chain'); plain always runs")
     ap.add_argument("--out", default=None, help="results file (default: bench/results/"
@@ -159,7 +162,7 @@ def main() -> None:
             for name, n in (("sharegpt", args.sharegpt), ("humaneval", args.humaneval))}
     results: dict[str, Any] = {"target": args.target, "draft": args.draft, "head": args.head,
                                "max_tokens": args.max_tokens, "threads": args.threads,
-                               "passes": args.passes,
+                               "passes": args.passes, "adaptive": args.adaptive,
                                "date": datetime.date.today().isoformat(), "sets": {}}
     only = set(args.only.split(",")) - {""}
     chosen = [(label, spec) for label, spec in configs(args)

@@ -212,13 +212,12 @@ class EagleDrafter(Drafter):
         tree_k: list[torch.Tensor] = []
         tree_v: list[torch.Tensor] = []
         for d in range(depth):
-            logits = self.head.logits(h, self.lm_head)  # [1, V]
             if sample:
-                q = process_logits(logits, [r.params])[0]  # [V]
+                q = process_logits(self.head.logits(h, self.lm_head), [r.params])[0]  # [V]
                 tok = int(torch.multinomial(q.float().cpu(), 1, generator=r.generator))
                 rows.append(q.float().cpu())
             else:
-                tok = int(logits[0].argmax())
+                tok = int(self.head.greedy(h, self.lm_head)[0])
             toks.append(tok)
             if d + 1 < depth:
                 h = self._expand(s, h, [tok], [root_pos + d], [list(range(d))], tree_k, tree_v)

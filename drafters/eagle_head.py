@@ -190,6 +190,14 @@ class EagleHead(nn.Module):
         return out
 
 
+    def greedy(self, h: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        """[n, H] -> [n] the target ids `logits(h).argmax(-1)` names, without the full-vocabulary
+        logits (draft ids are in target-id order, so the first maximum is the same)."""
+        if not self.eagle3:
+            return target_lm_head(h).argmax(-1)
+        return draft_to_target(self, self.lm_head(self.norm(h)).argmax(-1))
+
+
 def load_head(path: str | Path, target_hidden: int | None = None,
               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
               int8_kernels: bool = False) -> EagleHead:

@@ -211,6 +211,10 @@ def test_draft_vocab_round_trips_through_a_saved_head(tmp_path):
         draft_logits = loaded.lm_head(loaded.norm(h))  # [2, 40]
         assert torch.equal(logits[:, targets], draft_logits)
         assert torch.equal(torch.isfinite(logits[0]), loaded.t2d)
+        assert torch.equal(loaded.greedy(h, torch.nn.Identity()), logits.argmax(-1))
+        tied = torch.zeros(1, 64)  # every draft logit equal: the first maximum either way
+        assert torch.equal(loaded.greedy(tied, torch.nn.Identity()),
+                           loaded.logits(tied, torch.nn.Identity()).argmax(-1))
 
     from safetensors.torch import load_file, save_file
 
