@@ -70,8 +70,47 @@ def _humaneval_prompts() -> list[str]:
             if line]
 
 
+def _stdlib_prompts(seed: int = 0) -> list[str]:
+    """Code prompts in HumanEval's shape from the running interpreter's standard library: each
+    documented function's `def` line through its docstring, after its module's imports, in an
+    order shuffled with `seed` (so the first n span many modules). Test suites and the IDE are
+    left out; what comes out depends on the Python version."""
+    import ast
+    import random
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).parts
+        if any(p in ("test", "tests", "idlelib", "site-packages", "lib2to3") for p in rel):
+            continue
+        try:
+            src = f.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = src.splitlines()
+        imports = "\n".join(ast.get_source_segment(src, n) or "" for n in tree.body
+                            if isinstance(n, (ast.Import, ast.ImportFrom)))
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = node.body[0] if node.body else None
+            if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                    and isinstance(doc.value.value, str) and len(doc.value.value) >= 40):
+                continue
+            head = "\n".join(lines[node.lineno - 1 - len(node.decorator_list):doc.end_lineno])
+            if head.isascii() and len(head) <= 1500:
+                out.append((imports + "\n\n\n" if imports else "") + head + "\n")
+    random.Random(seed).shuffle(out)
+    return out
+
+
 def texts(data: str, n: int, skip: int, responses: bool = False) -> list[str | list[dict]]:
     """Raw texts, or chat messages (rendered through the target's chat template)."""
+    if data == "pystdlib":
+        return _stdlib_prompts()[skip:skip + n]
     if data == "sharegpt" and responses:
         return _sharegpt_dialogues(n, skip)
     if data == "sharegpt":

@@ -5,9 +5,12 @@
         [--epochs 4] [--max-feature-gb 4] [--quantize int8]
 
 1. Texts: ShareGPT first turns (through the chat template; with `--responses` followed by the
-   recorded reply), HumanEval prompts, or a JSONL file with "text" (raw) or "prompt" (chat) per
-   line. The first `--skip` ShareGPT records are left out: they are the held-out prompts of
-   bench/ and of the final tau report.
+   recorded reply), HumanEval prompts, `pystdlib` (documented functions of this interpreter's
+   standard library, `def` line through docstring after the module's imports, shuffled; past
+   the first `--skip`), or a JSONL file with "text" (raw) or "prompt" (chat) per line.
+   `--also DIR` adds the features an earlier run captured in DIR. The first `--skip`
+   ShareGPT records are left out: they are the held-out prompts of bench/ and of the final
+   tau report.
 2. Optionally each prompt is continued by the target's own greedy output (`--self-distill N`
    tokens): the head then learns the text the target will actually verify. With
    `--distill-samples S` each prompt also gets S continuations of N tokens sampled at
@@ -303,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttt-steps", type=int, default=2)
     ap.add_argument("--ce-weight", type=float, default=0.5)
     ap.add_argument("--init", default=None, help="start from this head's weights")
+    ap.add_argument("--also", action="append", default=[], metavar="DIR",
+                    help="train on the feature shards of an earlier run's --out DIR too "
+                    "(same target and head type; repeatable)")
     ap.add_argument("--half", action="store_true", help="store the head in float16")
     ap.add_argument("--eval-prompts", type=int, default=20)
     ap.add_argument("--eval-tokens", type=int, default=96)
@@ -325,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     data = training_data(args, str(mc.path), target_hf, out)
+    for other in args.also:  # an earlier run's captured features, trained on as well
+        rows = load_shards(sorted((Path(other) / "features").glob("shard_*.pt")))
+        if not rows or (data and rows[0]["feats"].shape[1] != data[0]["feats"].shape[1]):
+            raise SystemExit(f"--also {other}: no feature shards, or features of another "
+                             "width (another target or head type)")
+        data += rows
     if not data:
         raise SystemExit("no training sequences (is --max-feature-gb too small for one?)")
     print(f"{len(data)} sequences, {sum(r['tokens'].numel() for r in data)} tokens "

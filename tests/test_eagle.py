@@ -199,6 +199,13 @@ def test_train_drafter_smoke_and_resume(tiny_llama, tmp_path, reference, capsys)
     argv3 = [a if a != str(out) else str(tmp_path / "head3") for a in argv]
     assert main(argv3 + ["--epochs", "1", "--eagle3", "--draft-vocab", "32"]) == 0
     assert load_head(tmp_path / "head3").lm_head.weight.shape == (32, 64)
+    capsys.readouterr()
+    argv4 = [a if a != str(out) else str(tmp_path / "head4") for a in argv]
+    eagle3 = ["--epochs", "1", "--eagle3", "--draft-vocab", "32"]
+    assert main(argv4 + eagle3 + ["--also", str(tmp_path / "head3")]) == 0
+    assert "24 sequences" in capsys.readouterr().out  # its own 12 and head3's
+    with pytest.raises(SystemExit, match="of another"):  # EAGLE-1 features: 64 wide
+        main(argv4 + eagle3 + ["--also", str(out)])
     for head in (out, tmp_path / "head3"):
         spec = {"method": "eagle", "eagle_head": str(head), "num_speculative_tokens": 3}
         outs = LLM(model=str(tiny_llama), speculative=spec).generate(PROMPTS, GREEDY)

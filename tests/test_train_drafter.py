@@ -314,3 +314,24 @@ def test_int8_head_runs_its_stored_weights_on_the_cpu_kernels(tmp_path):
     for d in ("g16", "float"):
         kept = load_head(tmp_path / d, int8_kernels=True)
         assert not any(isinstance(m, QuantLinear) for m in kept.modules()), d
+
+
+def test_a_new_eagle3_head_starts_from_the_targets_output_layer(tmp_path):
+    from specdec.models.loader import build_model
+    from specdec.train_drafter import init_from_target
+
+    head, target_dir = tiny_eagle3(tmp_path, seed=7)
+    set_draft_vocab(head, torch.randperm(64, generator=torch.Generator().manual_seed(8))[:40])
+    hf = json.loads((target_dir / "config.json").read_text())
+    target = build_model(hf, str(target_dir), torch.float32, torch.device("cpu"))
+    init_from_target(head, target)
+    rows = draft_to_target(head, torch.arange(40))
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[rows])
+    assert torch.equal(head.norm.weight, target.model.norm.weight)
+
+
+def test_stdlib_prompts_are_documented_functions():
+    prompts = drafter_data.texts("pystdlib", 5, 2)
+    assert len(prompts) == 5 and prompts == drafter_data._stdlib_prompts()[2:7]
+    for p in prompts:
+        assert "def " in p and p.rstrip().endswith(('"""', "'''")), p[-200:]
