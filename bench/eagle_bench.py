@@ -47,6 +47,8 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     out += [
         ("eagle chain k=4", {"method": "eagle", "num_speculative_tokens": 4, "top_k": 1,
                              **head}),
+        ("eagle chain k=3", {"method": "eagle", "num_speculative_tokens": 3, "top_k": 1,
+                             **head}),
         (f"eagle tree d=5 k={args.top_k} n={args.max_nodes}",
          {"method": "eagle", "num_speculative_tokens": 5, "top_k": args.top_k,
           "max_nodes": args.max_nodes, **head}),
