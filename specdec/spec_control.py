@@ -12,9 +12,11 @@ A sequence's value of drafting to depth k is its expected emitted tokens, 1 + S_
 where S_j is the probability that its verification accepts at least j draft tokens, estimated
 per draft position from the sequence's own recent verifications (recency-weighted, so that
 acceptance that collapses or returns shows within a few steps), shrunk towards its drafter's
-profile over every request. S_j never grows with j, so a sequence's marginal gains fall with
-depth, and for a fixed number of extra rows the best allocation takes the largest marginal
-gains per row across the batch (an exchange argument). `best_depths` scans those allocations,
+profile over every request (specdec/acceptance.py; a sequence's evidence also fades while it
+is kept plain, so a stretch of rejections does not keep it off for good). S_j never grows
+with j, so a sequence's marginal gains fall with depth, and for a fixed number of extra rows
+the best allocation takes the largest marginal gains per row across the batch (an exchange
+argument). `best_depths` scans those allocations,
 for every cap on each costly drafter's depth (a draft model's time grows with the deepest chain
 it drafts), and keeps the highest rate: for chains and per-drafter costs that do not depend on
 how many sequences draft, that is the brute-force optimum (tests/test_depth_plan.py), a cost
@@ -65,67 +67,16 @@ import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
+from specdec.acceptance import DRAFTER_DECAY, Acceptance, geometric
 from specdec.cost_model import CostModel
 from specdec.depth_plan import Alternative, best_depths, uniform_depths
 
 PRIOR_ACCEPT = 0.6  # per-position acceptance assumed before any evidence
-PRIOR_WEIGHT = 2.0  # ... worth this many verifications of evidence
-DECAY = 0.9  # a request's evidence fades by this per verification
-DRAFTER_DECAY = 0.995  # ... a drafter's profile over every request, more slowly
 PROBE_EVERY = 32  # steps between probes (one sequence one step deeper, or its other drafter)
 PROBE_MAX = 4 * PROBE_EVERY  # ... at most, where the probes keep finding the same choice
 PROBE_START = 0.25  # a probe's catch-up of a drafter behind: at most this share of a period
 TIE = 0.02  # speculative rates this close to the best count as equal (more tokens wins)
 MARGIN = 0.05  # speculation must beat plain decoding's predicted rate by this much
-
-
-class Acceptance:
-    """Recency-weighted counts per draft position j (depth j + 1): verifications that drafted
-    that deep, and those that accepted that deep."""
-
-    def __init__(self, decay: float = DECAY) -> None:
-        self.decay = decay
-        self.offered: list[float] = []
-        self.accepted: list[float] = []
-        # The last survival asked, (k, prior) -> S: each step asks the drafter's profile the same
-        self._last: tuple[tuple[int, tuple[float, ...]], list[float]] | None = None
-
-    def observe(self, depth: int, accepted: int) -> None:
-        if depth <= 0:
-            return  # nothing was drafted: nothing learnt (an n-gram lookup without a match)
-        self._last = None
-        n = max(depth, len(self.offered))
-        self.offered += [0.0] * (n - len(self.offered))
-        self.accepted += [0.0] * (n - len(self.accepted))
-        for j in range(n):
-            self.offered[j] = self.offered[j] * self.decay + (j < depth)
-            self.accepted[j] = self.accepted[j] * self.decay + (j < accepted)
-
-    def survival(self, k: int, prior: list[float]) -> list[float]:
-        """S_1 .. S_k: P(at least j accepted | drafted j deep), shrunk towards `prior` [k],
-        never growing with j. Where a position has little evidence of its own, its prior is
-        the position before it times the conditional acceptance measured last (a sequence
-        drafted only 1 deep so far is not judged by a prior's guess of depth 2)."""
-        key = (k, tuple(prior))
-        if self._last is not None and self._last[0] == key:
-            return list(self._last[1])
-        out: list[float] = []
-        prev, ratio = 1.0, None
-        for j in range(k):
-            o = self.offered[j] if j < len(self.offered) else 0.0
-            a = self.accepted[j] if j < len(self.accepted) else 0.0
-            p = prior[j] if ratio is None or o >= 1.0 else prev * ratio
-            s = min(prev, (a + PRIOR_WEIGHT * p) / (o + PRIOR_WEIGHT))
-            if o >= 1.0:
-                ratio = s / prev if prev > 0 else 0.0
-            prev = s
-            out.append(s)
-        self._last = (key, out)
-        return list(out)
-
-
-def geometric(a: float, k: int) -> list[float]:
-    return [a ** (j + 1) for j in range(k)]
 
 
 @dataclass
@@ -166,6 +117,7 @@ class SpeculationController:
         self._pending: dict[str, tuple[str, float]] = {}  # request -> (method, predicted)
         self.stats: dict[str, ControlStats] = {}
         self._since_probe = 0
+        self._step = 0  # steps taken: chosen (`choose`) or held (`hold_step`)
         self._probe = 0
         self._all_off = False  # the last choice gave every candidate depth 0
         self._held = False  # the last choice had no probe in it: it may be held
@@ -199,7 +151,8 @@ class SpeculationController:
                  emitted: int) -> None:
         """A verification of `request_id`'s draft from `method`: `depth` deep (the tree's
         depth), `accepted` of them accepted, `emitted` tokens out."""
-        self._seqs.setdefault((request_id, method), Acceptance()).observe(depth, accepted)
+        own = self._seqs.setdefault((request_id, method), Acceptance())
+        own.observe(depth, accepted, self._step)
         self._drafters.setdefault(method, Acceptance(DRAFTER_DECAY)).observe(depth, accepted)
         pending = self._pending.pop(request_id, None)
         st = self.stats.setdefault(method, ControlStats())
@@ -224,7 +177,10 @@ class SpeculationController:
         if drafter is not None:
             prior = drafter.survival(k, prior)
         own = self._seqs.get((request_id, method))
-        return own.survival(k, prior) if own is not None else prior
+        if own is None:
+            return prior
+        own.fade(self._step)
+        return own.survival(k, prior)
 
     # -- a step's choice ----------------------------------------------------------------------
     def choose(self, base_rows: int, plain: int, cands: list[Candidate], batch: int = 0,
@@ -234,6 +190,7 @@ class SpeculationController:
         sequences (0: the candidates and `plain`) and `base_q` the most rows one of them has
         before the candidates draft (a fixed-k request's tree), for a runner that pads."""
         self._all_off = self._held = False
+        self._step += 1
         if not cands:
             return {}
         if not self.costs.measured:
@@ -355,6 +312,7 @@ class SpeculationController:
         if not self.holding:
             return False
         self._since_probe += 1
+        self._step += 1
         return True
 
     def _pick(self, c: Candidate, rows: int, batch: int) -> int:

@@ -109,13 +109,35 @@ def test_acceptance_zero_turns_speculation_off_and_recovers():
     assert depth() > 0
     for _ in range(20):
         c.verified("a", "ngram", 4, 0, 1)
-    ks = [depth() for _ in range(PROBE_EVERY * 2)]
-    assert ks.count(0) >= len(ks) - 2  # off, but for the probes
-    probes = [k for k in ks if k]
-    assert probes  # ... which keep measuring
+    ks = []
+    for _ in range(PROBE_EVERY * 6):
+        ks.append(depth())
+        if ks[-1]:
+            c.verified("a", "ngram", ks[-1], 0, 1)  # every draft rejected
+    # Off, but for the probes and a retry when the rejections have faded (IDLE_DECAY).
+    assert len(ks) - 8 <= ks.count(0) < len(ks)
     for _ in range(20):
-        c.verified("a", "ngram", probes[0], probes[0], probes[0] + 1)
+        c.verified("a", "ngram", 1, 1, 2)
     assert depth() > 0
+
+
+def test_a_sequence_kept_plain_comes_back_to_its_drafters_profile():
+    """Rejections of the past fade while a sequence is kept plain (IDLE_DECAY a step), so a
+    stretch of misses does not keep it off for good where its drafter pays."""
+    c = SpeculationController()
+    for _ in range(50):
+        c.verified("b", "ngram", 4, 4, 5)  # the drafter's profile over every request: good
+    for _ in range(10):
+        c.verified("a", "ngram", 4, 0, 1)  # this request: a stretch of misses
+    low = c.survival("a", "ngram", 4)[0]
+    profile = c.survival("new", "ngram", 4)[0]
+    assert low < 0.5 < profile
+    for _ in range(60):
+        c.hold_step() or c.choose(1, 1, [])  # steps that verify nothing of "a"
+    back = c.survival("a", "ngram", 4)[0]
+    assert low < back <= profile
+    c.verified("a", "ngram", 4, 0, 1)
+    assert c.survival("a", "ngram", 4)[0] < back  # new evidence counts in full
 
 
 def test_probes_start_a_drafter_behind_on_a_sequence_only_where_its_catch_up_is_cheap():
