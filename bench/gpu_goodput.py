@@ -100,7 +100,9 @@ def main() -> None:
         prompts = [torch.randint(100, vocab, (PROMPT_TOKENS,), generator=g).tolist()
                    for _ in range(batch)]
         run_requests(engine, prompts, {"method": "none"}, 8, f"warm{batch}")
+        chained = engine.chainer.chained_steps
         plain = run_requests(engine, prompts, {"method": "none"}, a.max_tokens, f"off{batch}")
+        off_chained = engine.chainer.chained_steps - chained
         replay.clear_recorded()
         for p, o in zip(prompts, plain.outputs):
             replay.record(p, o)
@@ -114,7 +116,8 @@ def main() -> None:
                     return
                 surv = ",".join(f"{max(x, 1e-4):.4f}" for x in prof["survival"])
                 row = {"batch": batch, "dataset": ds, "drafter": drafter, "survival": surv,
-                       "tok_s": {"off": round(plain.rate, 1)}, "tau": {}}
+                       "tok_s": {"off": round(plain.rate, 1)}, "tau": {},
+                       "off_chained_steps": off_chained}
                 cells = {f"k={k}": {"num_speculative_tokens": int(k), "adaptive": False}
                          for k in a.k.split(",")}
                 cells["controller"] = {"num_speculative_tokens": a.k_max, "adaptive": True}
@@ -126,11 +129,13 @@ def main() -> None:
                         engine.drafting.controller.costs.forget_steps()
                         engine.drafting.controller.forget_evidence()
                     before = _depths(engine)
+                    chained = engine.chainer.chained_steps
                     run = run_requests(engine, prompts, spec, a.max_tokens,
                                        f"{ds}{drafter}{batch}{name}{time.monotonic_ns()}")
                     if name == "controller":  # what it chose, and the costs it planned with
                         row.setdefault("controller_runs", []).append(
-                            _controller_detail(engine, before, batch, a.k_max, run.rate))
+                            _controller_detail(engine, before, batch, a.k_max, run.rate)
+                            | {"chained_steps": engine.chainer.chained_steps - chained})
                     else:  # the real steps' times by rows after each fixed-k run
                         passes = engine.drafting.controller.costs.passes.best
                         row.setdefault("real_pass_ms", {})[name] = {
