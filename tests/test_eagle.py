@@ -219,3 +219,16 @@ def test_shipped_smollm2_head_layout():
     assert path is not None and (path / "model.safetensors").stat().st_size < 30e6
     head = load_head(path, 576)
     assert not head.eagle3 and head.fc.weight.shape == (576, 1152)
+
+
+def test_shipped_qwen_coder_head_layout():
+    """The qwen2.5-coder-1.5b head: EAGLE-3, a 4096-token draft vocabulary, int8 within the
+    repository's 64 MB, and on the CPU's int8 kernels when asked."""
+    from drafters.eagle import default_head_for
+    from specdec.models.quant_linear import QuantLinear
+
+    path = default_head_for("qwen2.5-coder-1.5b")
+    assert path is not None and (path / "model.safetensors").stat().st_size <= 64e6
+    head = load_head(path, 1536, int8_kernels=True)
+    assert head.eagle3 and head.d2t.numel() == 4096 and head.capture_layers(28) == (1, 13, 24)
+    assert isinstance(head.lm_head, QuantLinear) and head.lm_head.out_features == 4096
