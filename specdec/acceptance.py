@@ -30,7 +30,6 @@ class Acceptance:
     def observe(self, depth: int, accepted: int, step: int = 0) -> None:
         if depth <= 0:
             return  # nothing was drafted: nothing learnt (an n-gram lookup without a match)
-        self.fade(step)
         self.step = max(self.step, step)
         self._last = None
         n = max(depth, len(self.offered))
@@ -41,10 +40,11 @@ class Acceptance:
             self.accepted[j] = self.accepted[j] * self.decay + (j < accepted)
 
     def fade(self, step: int) -> None:
-        """Counts fade by IDLE_DECAY for each step before `step` that verified nothing of this
-        request: a sequence kept plain after a run of rejections comes back to its prior (its
-        drafter's profile) instead of staying plain on old evidence (on an H100 at batch 1 an
-        n-gram sequence stayed plain for 245 of 254 steps where 8 deep paid 1.8x)."""
+        """Counts fade by IDLE_DECAY for each step before `step` since they were last current
+        (a verification, or the last fade): a sequence kept plain after a run of rejections
+        comes back to its prior (its drafter's profile) instead of staying plain on old
+        evidence (on an H100 at batch 1 an n-gram sequence stayed plain for 245 of 254 steps
+        where 8 deep paid 1.8x). The controller fades only where drafting again is cheap."""
         idle = step - self.step - 1
         if idle > 0 and self.offered:
             f = IDLE_DECAY ** idle

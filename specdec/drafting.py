@@ -151,13 +151,15 @@ class Drafting:
         """What drafting `r` with `s` this step would gain (survival) and cost (tree width; a
         stale model drafter's catch-up)."""
         d = self.drafter(s)
-        survival = self.controller.survival(r.request_id, s.method, s.k)
         behind = 0 if d.proposes_by_lookup else d.catch_up_tokens(self._behind(r, s),
                                                                   s.options)
+        catch_up = self.controller.costs.catch_up_time(s.method, behind)
+        stale = behind > 2
+        survival = self.controller.survival(r.request_id, s.method, s.k,
+                                            fade=not (stale and catch_up > 0))
         left = r.seq.params.max_tokens - len(r.seq.output_token_ids)
         return Alternative(s.method, s.k, d.max_nodes(1, s.options), survival,
-                           d.proposes_by_lookup, behind > 2,
-                           self.controller.costs.catch_up_time(s.method, behind),
+                           d.proposes_by_lookup, stale, catch_up,
                            self.controller.start_cost(s.method, behind, left, survival))
 
     def _behind(self, r: Request, spec: Speculation) -> int:

@@ -169,9 +169,12 @@ class SpeculationController:
             del self._seqs[key]
         self._pending.pop(request_id, None)
 
-    def survival(self, request_id: str, method: str, k: int) -> list[float]:
+    def survival(self, request_id: str, method: str, k: int, fade: bool = True) -> list[float]:
         """S_1 .. S_k of this request with this drafter: its own evidence over its drafter's
-        profile, over a geometric prior."""
+        profile, over a geometric prior. `fade`: let evidence from before the steps it was kept
+        plain fade (Acceptance.fade); not where starting the drafter again costs a catch-up
+        (a draft model behind: on the 2-core CPU, retrying one whose drafts keep failing cost
+        more than it found)."""
         prior = geometric(PRIOR_ACCEPT, k)
         drafter = self._drafters.get(method)
         if drafter is not None:
@@ -179,7 +182,8 @@ class SpeculationController:
         own = self._seqs.get((request_id, method))
         if own is None:
             return prior
-        own.fade(self._step)
+        if fade:
+            own.fade(self._step)
         return own.survival(k, prior)
 
     # -- a step's choice ----------------------------------------------------------------------

@@ -134,6 +134,8 @@ def test_a_sequence_kept_plain_comes_back_to_its_drafters_profile():
     assert low < 0.5 < profile
     for _ in range(60):
         c.hold_step() or c.choose(1, 1, [])  # steps that verify nothing of "a"
+    # Where drafting again costs a catch-up (a draft model behind), the evidence stands.
+    assert c.survival("a", "ngram", 4, fade=False)[0] == low
     back = c.survival("a", "ngram", 4)[0]
     assert low < back <= profile
     c.verified("a", "ngram", 4, 0, 1)
