@@ -13,7 +13,8 @@ where S_j is the probability that its verification accepts at least j draft toke
 per draft position from the sequence's own recent verifications (recency-weighted, so that
 acceptance that collapses or returns shows within a few steps), shrunk towards its drafter's
 profile over every request (specdec/acceptance.py; a sequence's evidence also fades while it
-is kept plain, so a stretch of rejections does not keep it off for good). S_j never grows
+is kept plain where drafting again costs no catch-up, so a stretch of rejections does not keep
+it off for good). S_j never grows
 with j, so a sequence's marginal gains fall with depth, and for a fixed number of extra rows
 the best allocation takes the largest marginal gains per row across the batch (an exchange
 argument). `best_depths` scans those allocations,
