@@ -189,7 +189,6 @@ class EagleHead(nn.Module):
         out[:, torch.arange(dl.shape[1], device=dl.device) + self.d2t] = dl
         return out
 
-
     def greedy(self, h: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """[n, H] -> [n] the target ids `logits(h).argmax(-1)` names, without the full-vocabulary
         logits (draft ids are in target-id order, so the first maximum is the same)."""

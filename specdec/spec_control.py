@@ -14,12 +14,11 @@ per draft position from the sequence's own recent verifications (recency-weighte
 acceptance that collapses or returns shows within a few steps), shrunk towards its drafter's
 profile over every request (specdec/acceptance.py; a sequence's evidence also fades while it
 is kept plain where drafting again costs no catch-up, so a stretch of rejections does not keep
-it off for good). S_j never grows
-with j, so a sequence's marginal gains fall with depth, and for a fixed number of extra rows
-the best allocation takes the largest marginal gains per row across the batch (an exchange
-argument). `best_depths` scans those allocations,
-for every cap on each costly drafter's depth (a draft model's time grows with the deepest chain
-it drafts), and keeps the highest rate: for chains and per-drafter costs that do not depend on
+it off for good). S_j never grows with j, so a sequence's marginal gains fall with depth, and
+for a fixed number of extra rows the best allocation takes the largest marginal gains per row
+across the batch (an exchange argument). `best_depths` scans those allocations, for every cap
+on each costly drafter's depth (a draft model's time grows with the deepest chain it drafts),
+and keeps the highest rate: for chains and per-drafter costs that do not depend on
 how many sequences draft, that is the brute-force optimum (tests/test_depth_plan.py), a cost
 of speculating at all included. Nothing switches at a batch size: as the batch grows, each
 sequence's depth falls one step at a time where its marginal token stops paying for its row.
