@@ -23,8 +23,8 @@ that capture hidden layers) run eagerly: `execute` returns None for them.
 On a bucket's first capture its KV split count and matmul tiles are timed in the whole captured
 step, on a placeholder step at a fixed context (`specdec/graph_tuning.py`), and kept on disk
 for the next runner of the same model, GPU and code (RuntimeConfig's tune_graphs, tune_context
-and tuning_cache). `capture_all` does every bucket up front,
-so that no step waits for a capture (the server calls it at start).
+and tuning_cache). `capture_all` does every bucket up front, so that no step waits for a
+capture (the GPU benchmarks call it before they time anything).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class StepOutput:
     query_offsets: list[int] | None = None  # per segment, where its query rows start
 
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 TOKENS_PER_SEQ = (1, 2, 4, 8, 16, 32, 64)
 MAX_GRAPH_TOKENS = 2048
 

@@ -196,7 +196,10 @@ def test_pick_bucket_limits():
     assert pick_bucket([seg] * 5, 4, 16) == (8, 4)
     long = Segment([1] * 100, list(range(100)), list(range(100)), 0, [0] * 7)
     assert pick_bucket([long], 8, 16) is None  # a prefill chunk runs eagerly
-    assert pick_bucket([seg] * 65, 8, 16) is None
+    assert pick_bucket([seg] * 65, 8, 16) == (96, 4)
+    assert pick_bucket([seg] * 129, 8, 16) is None
+    assert pick_bucket([Segment([1] * 17, list(range(17)), list(range(17)), 0, [0, 0])] * 128,
+                       8, 16) is None  # 128 x 32 rows is past MAX_GRAPH_TOKENS
     deep = Segment([1], [62], [62], 62, [0] * 4)
     assert pick_bucket([deep], 4, 16) is not None
     assert pick_bucket([deep], 3, 16) is None  # its block table does not fit the width
