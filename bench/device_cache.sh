@@ -9,6 +9,12 @@
 #   Here, after the call:                 bash bench/device_cache.sh keep /work/.device/N
 #   and name build/device_cache in the next call's carry.
 #
+# A device call sends the checkout's tracked files, at most 64 MiB with what it carries; the
+# shipped EAGLE heads' weights (specdec/heads/*/model.safetensors, 72 MB) leave no room for the
+# cache, and no GPU benchmark reads them. Around a call, here:
+#   bash bench/device_cache.sh slim     (untracks them in the index and ignores them locally)
+#   bash bench/device_cache.sh unslim   (tracks them again; commit nothing in between)
+#
 # The caches travel as parts of one gzipped tar (dc.tgz.0, .1, ...: at most 4 of 15 MiB, within
 # what comes back from $OUT and what a call carries); Triton and specdec key every entry on its
 # sources, versions and GPU, so a stale entry is never used, only left unread.
@@ -51,9 +57,33 @@ dc_keep() {
   echo "device_cache: kept $(ls "$DC_KEEP" | wc -l) part(s) in $DC_KEEP"
 }
 
+HEADS='specdec/heads/*/model.safetensors'
+
+dc_slim() {
+  local exclude
+  exclude="$(git rev-parse --git-path info/exclude)"
+  mkdir -p "$(dirname "$exclude")"
+  git rm -q --cached -- $HEADS
+  grep -qxF "$HEADS" "$exclude" 2>/dev/null || echo "$HEADS" >> "$exclude"
+  echo "device_cache: $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) bytes tracked"
+}
+
+dc_unslim() {
+  local exclude
+  exclude="$(git rev-parse --git-path info/exclude)"
+  git reset -q -- specdec/heads
+  if [ -f "$exclude" ]; then
+    grep -vxF "$HEADS" "$exclude" > "$exclude.tmp" || true
+    mv "$exclude.tmp" "$exclude"
+  fi
+  git status --short -- specdec/heads
+}
+
 case "${1:-}" in
   use) dc_use ;;
   pack) dc_pack "${2:?pack OUT_DIR}" ;;
   keep) dc_keep "${2:?keep DIR_WITH_PARTS}" ;;
-  *) echo "usage: source bench/device_cache.sh use | bash bench/device_cache.sh pack OUT | keep DIR" >&2 ;;
+  slim) dc_slim ;;
+  unslim) dc_unslim ;;
+  *) echo "usage: source bench/device_cache.sh use | bash bench/device_cache.sh pack OUT | keep DIR | slim | unslim" >&2 ;;
 esac
