@@ -145,3 +145,35 @@ def test_negative_control_biased_verifier_fails(llm, models, monkeypatch):
     assert drafted > 0
     exact = exact_joint(models[0], PROMPT, SamplingParams())
     assert chisquare_p(counts, exact) < ALPHA
+
+
+@pytest.mark.parametrize("spec", [DRAFT_CHAIN, DRAFT_TREE], ids=["chain", "tree"])
+def test_reduced_draft_vocabulary_keeps_the_distribution(models, spec):
+    """A draft model whose output layer covers part of the vocabulary (as the quantized CPU
+    draft's does) never proposes the other tokens, and the output still follows the target
+    sampled and equals plain decoding greedy."""
+    target, draft = models
+    llm = LLM(model=str(target), speculative={"method": "draft_model", "draft_model": str(draft)},
+              max_num_seqs=1024, max_num_batched_tokens=16384)
+    eng = llm.engine
+    drafter = eng.drafting.drafter(eng.drafting.resolve(None))
+    kept = [0, 1, 2, 3, 5]
+    drafter.reduce_vocabulary(torch.tensor(kept))
+    proposed: set[int] = set()
+    propose = drafter.propose
+
+    def spy(batch):
+        tree = propose(batch)
+        proposed.update(tree.tokens.tolist())
+        return tree
+
+    drafter.propose = spy
+    kw = {"max_tokens": 6} if spec is DRAFT_TREE else {}
+    counts, drafted, accepted = sample(llm, spec, seed=77, **kw)
+    assert drafted > REQUESTS // 2 and accepted > REQUESTS // 20
+    assert chisquare_p(counts, exact_joint(target, PROMPT, SamplingParams())) > ALPHA
+    greedy = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+    plain = llm.generate([PROMPT], SamplingParams(**greedy, speculative={"method": "none"}))
+    spec_out = llm.generate([PROMPT], SamplingParams(**greedy, speculative=spec))
+    assert spec_out[0].token_ids == plain[0].token_ids
+    assert proposed and proposed <= set(kept)

@@ -1,0 +1,120 @@
+"""What a batch's decode steps spend outside the target's pass on the CPU, speculation off
+against adaptive requests that the controller keeps plain: per configuration, taking turns for
+`--rounds` rounds on the same prompts (HumanEval, greedy, `--batch` sequences), the decode
+steps' wall time split into the target's `execute` calls, the drafter's `propose` and the
+rest (scheduling, the controller's plan, verification, commits: host work), and how many steps
+were chained (`specdec/chaining.py`).
+
+    PYTHONPATH=. python3 bench/investigations/cpu_batch_host.py --batch 16 --rounds 3 \
+        [--configs off,ngram,draft_model] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+CONFIGS = {
+    "off": {"method": "none"},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": True},
+    "auto": {"method": "auto", "num_speculative_tokens": 4},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", default="off,ngram,draft_model")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+
+    from prompts import humaneval_texts
+
+    from specdec import LLM, SamplingParams
+
+    llm = LLM(model=a.model, quantization="auto",
+              speculative={"method": "draft_model", "draft_model": "qwen2.5-coder-0.5b"})
+    eng = llm.engine
+    eng.load_default_drafter()
+    eng.calibrate_costs()
+    prompts = [llm.tokenizer.encode(t) for t in humaneval_texts(a.batch)]
+    spent = {"execute": 0.0, "propose": 0.0}
+    execute, propose = eng.runner.execute, eng.drafting.propose
+
+    def timed_execute(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return execute(*args, **kw)
+        finally:
+            spent["execute"] += time.perf_counter() - t
+
+    def timed_propose(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return propose(*args, **kw)
+        finally:
+            spent["propose"] += time.perf_counter() - t
+
+    eng.runner.execute, eng.drafting.propose = timed_execute, timed_propose
+    runs: dict[str, list[dict]] = {c: [] for c in a.configs.split(",")}
+    for rnd in range(a.rounds):
+        for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
+            params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True,
+                                    speculative=CONFIGS[name])
+            for i, p in enumerate(prompts):
+                eng.add_request(f"{name}{rnd}-{i}", p, params)
+            steps = decode_steps = 0
+            t_decode = 0.0
+            chained0 = eng.chainer.chained_steps
+            emitted = 0
+            while eng.has_unfinished():
+                prefill = any(s.in_prefill for s in eng.scheduler.running) \
+                    or bool(eng.scheduler.waiting)
+                spent["execute"] = spent["propose"] = 0.0
+                t = time.perf_counter()
+                outs = eng.step()
+                dt = time.perf_counter() - t
+                steps += 1
+                if not prefill:
+                    decode_steps += 1
+                    t_decode += dt
+                    emitted += sum(len(o.delta_token_ids) for o in outs) if outs else 0
+                    row = runs[name]
+                    row_exec = spent["execute"]
+                    row_prop = spent["propose"]
+                    rec = row[-1] if row and row[-1].get("round") == rnd else None
+                    if rec is None:
+                        rec = {"round": rnd, "execute_s": 0.0, "propose_s": 0.0}
+                        row.append(rec)
+                    rec["execute_s"] += row_exec
+                    rec["propose_s"] += row_prop
+            rec = runs[name][-1]
+            rec.update(decode_steps=decode_steps, decode_s=round(t_decode, 3),
+                       tok_s=round(emitted / t_decode, 2) if t_decode else 0.0,
+                       chained=eng.chainer.chained_steps - chained0)
+            rec["host_s"] = round(t_decode - rec["execute_s"] - rec["propose_s"], 3)
+            rec["host_ms_per_step"] = round(rec["host_s"] / max(1, decode_steps) * 1e3, 2)
+            rec["execute_s"], rec["propose_s"] = (round(rec["execute_s"], 3),
+                                                  round(rec["propose_s"], 3))
+            print(name, json.dumps(rec), flush=True)
+    summary = {name: {k: statistics.median(r[k] for r in rs)
+                      for k in ("tok_s", "host_ms_per_step", "decode_s", "execute_s")}
+               for name, rs in runs.items()}
+    print(json.dumps(summary, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"args": vars(a), "runs": runs, "median": summary},
+                                          indent=1))
+
+
+if __name__ == "__main__":
+    main()
