@@ -51,21 +51,17 @@ def main() -> None:
     spent = {"execute": 0.0, "propose": 0.0}
     execute, propose = eng.runner.execute, eng.drafting.propose
 
-    def timed_execute(*args, **kw):
-        t = time.perf_counter()
-        try:
-            return execute(*args, **kw)
-        finally:
-            spent["execute"] += time.perf_counter() - t
+    def timed(fn, key: str):
+        def wrapper(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return wrapper
 
-    def timed_propose(*args, **kw):
-        t = time.perf_counter()
-        try:
-            return propose(*args, **kw)
-        finally:
-            spent["propose"] += time.perf_counter() - t
-
-    eng.runner.execute, eng.drafting.propose = timed_execute, timed_propose
+    eng.runner.execute = timed(execute, "execute")
+    eng.drafting.propose = timed(propose, "propose")
     runs: dict[str, list[dict]] = {c: [] for c in a.configs.split(",")}
     for rnd in range(a.rounds):
         for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
