@@ -132,9 +132,12 @@ def main() -> None:
         for b in ds_batches:
             ref = None
             row: dict[str, Any] = {"dataset": ds, "batch": b, "tok_s": {}, "tau": {}}
-            # The configurations in turn, `--repeats` rounds, the fastest round of each kept:
-            # a shared 2-core machine drifts by more than the differences measured here.
-            for name, spec in [(n, c) for _ in range(a.repeats) for n, c in cfgs.items()]:
+            # The configurations in turn, `--repeats` rounds (every other one in reverse order,
+            # so that no configuration always follows the same one), the fastest round of each
+            # kept: a shared 2-core machine drifts by more than the differences measured here.
+            order = list(cfgs.items())
+            for name, spec in [x for i in range(a.repeats)
+                               for x in (order if i % 2 == 0 else order[::-1])]:
                 rate, outs, ms = run_batch(llm, ids[:b], spec, a.max_tokens)
                 if ref is None:
                     ref = outs
