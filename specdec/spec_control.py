@@ -72,6 +72,12 @@ from specdec.cost_model import CostModel
 from specdec.depth_plan import Alternative, best_depths, uniform_depths
 
 PRIOR_ACCEPT = 0.6  # per-position acceptance assumed before any evidence
+# ... for a draft model, which shares the target's tokenizer and mostly its training: on the
+# CPU's HumanEval prompts its first position accepted 0.91 against n-gram lookup's 0.31
+# (bench/results/eagle_qwen2.5-coder-1.5b_20261206_int8.json), and from 0.6 a fresh server's
+# first two requests barely drafted: one rejected probe left each plain to its end
+# (bench/results/cpu_adaptive_sequence_20261206.json).
+PRIOR_ACCEPT_BY_METHOD = {"draft_model": 0.8}
 PROBE_EVERY = 32  # steps between probes (one sequence one step deeper, or its other drafter)
 PROBE_MAX = 4 * PROBE_EVERY  # ... at most, where the probes keep finding the same choice
 PROBE_START = 0.25  # a probe's catch-up of a drafter behind: at most this share of a period
@@ -175,7 +181,7 @@ class SpeculationController:
         plain fade (Acceptance.fade); not where starting the drafter again costs a catch-up
         (a draft model behind: on the 2-core CPU, retrying one whose drafts keep failing cost
         more than it found)."""
-        prior = geometric(PRIOR_ACCEPT, k)
+        prior = geometric(PRIOR_ACCEPT_BY_METHOD.get(method, PRIOR_ACCEPT), k)
         drafter = self._drafters.get(method)
         if drafter is not None:
             prior = drafter.survival(k, prior)

@@ -12,6 +12,7 @@ from specdec.calibration import CALIBRATION_ROWS
 from specdec.depth_plan import Alternative, best_depths
 from specdec.spec_control import (
     PRIOR_ACCEPT,
+    PRIOR_ACCEPT_BY_METHOD,
     PROBE_EVERY,
     Acceptance,
     Candidate,
@@ -169,7 +170,8 @@ def test_probes_start_a_drafter_behind_on_a_sequence_only_where_its_catch_up_is_
     c = controller()
     assert probed(10.0, c) == 2 and probed(30.0, c) == 1
     c.forget_evidence()
-    assert c.survival("new", "draft_model", 4) == geometric(PRIOR_ACCEPT, 4)
+    prior = PRIOR_ACCEPT_BY_METHOD["draft_model"]
+    assert c.survival("new", "draft_model", 4) == geometric(prior, 4)
     assert c.stats == {}
 
 
