@@ -21,13 +21,7 @@ if TYPE_CHECKING:
     from specdec.model_runner import ModelRunner
 
 CONTEXT = 256  # tokens before the timed rows
-CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384,
-                    512)
-# The most rows timed: on a GPU, 64 sequences drafting 7 deep (at 128 rows the controller could
-# start batch 128 only one deep and climb a row a measured step: over 256 tokens it stayed below
-# fixed k = 2's depth there, bench/results/HISTORY.md, 2026-12-06); on the CPU, where a pass over
-# 128 rows takes about a second, the curve's slope serves past 128.
-MAX_ROWS = {"cuda": 512, "cpu": 128}
+CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 CALIBRATION_PASSES = 3  # per row count, the fastest kept
 # Rows per timed sequence: a step of more is timed as a batch of sequences drafting 7 deep. One
 # segment of 96 or 128 rows fits no CUDA graph bucket and ran eagerly at 10-23 ms on an H100,
@@ -46,7 +40,7 @@ Measure = Callable[[Callable[[int], None], int, "Path | None"], dict[int, float]
 
 def calibrate_runner(runner: ModelRunner, max_batched_tokens: int, measure: Measure
                      ) -> dict[int, float]:
-    """Measure (or load from the cache) `runner`'s pass curve up to MAX_ROWS rows (or as far as
+    """Measure (or load from the cache) `runner`'s pass curve up to 128 rows (or as far as
     CALIBRATION_BUDGET_S allows) with `measure`; {} where its KV pool is too small to time even
     one row."""
     from specdec.hub.resolve import cache_root
@@ -54,11 +48,10 @@ def calibrate_runner(runner: ModelRunner, max_batched_tokens: int, measure: Meas
 
     ctx, bs = CONTEXT, runner.block_size
     span = -(-(ctx + SEGMENT_ROWS) // bs)  # blocks each timed sequence holds
-    mc, dev = runner.mc, runner.device
-    rows = min(max_batched_tokens, MAX_ROWS.get(dev.type, 128),
-               runner.num_blocks // span * SEGMENT_ROWS)
+    rows = min(max_batched_tokens, 128, runner.num_blocks // span * SEGMENT_ROWS)
     if rows < 1:
         return {}
+    mc, dev = runner.mc, runner.device
 
     def run_pass(n: int) -> None:
         # Slots no request holds yet (none is admitted): what they are left holding is
