@@ -234,7 +234,6 @@ class ReducedHead(torch.nn.Module):
         super().__init__()
         from specdec.models.quant_linear import QuantLinear
 
-        self.ids = ids
         if isinstance(head, QuantLinear):
             assert len(head.parts) == 1
             self.sub: torch.nn.Module = QuantLinear([head.parts[0].select(ids)], None,

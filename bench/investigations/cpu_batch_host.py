@@ -69,8 +69,8 @@ def main() -> None:
                                     speculative=CONFIGS[name])
             for i, p in enumerate(prompts):
                 eng.add_request(f"{name}{rnd}-{i}", p, params)
-            steps = decode_steps = 0
-            t_decode = 0.0
+            rec = {"round": rnd, "execute_s": 0.0, "propose_s": 0.0, "decode_steps": 0,
+                   "decode_s": 0.0}
             chained0 = eng.chainer.chained_steps
             emitted = 0
             while eng.has_unfinished():
@@ -80,24 +80,17 @@ def main() -> None:
                 t = time.perf_counter()
                 outs = eng.step()
                 dt = time.perf_counter() - t
-                steps += 1
-                if not prefill:
-                    decode_steps += 1
-                    t_decode += dt
-                    emitted += sum(len(o.delta_token_ids) for o in outs) if outs else 0
-                    row = runs[name]
-                    row_exec = spent["execute"]
-                    row_prop = spent["propose"]
-                    rec = row[-1] if row and row[-1].get("round") == rnd else None
-                    if rec is None:
-                        rec = {"round": rnd, "execute_s": 0.0, "propose_s": 0.0}
-                        row.append(rec)
-                    rec["execute_s"] += row_exec
-                    rec["propose_s"] += row_prop
-            rec = runs[name][-1]
-            rec.update(decode_steps=decode_steps, decode_s=round(t_decode, 3),
+                if not prefill:  # decode steps only: prefill is the same work in every config
+                    rec["decode_steps"] += 1
+                    rec["decode_s"] += dt
+                    rec["execute_s"] += spent["execute"]
+                    rec["propose_s"] += spent["propose"]
+                    emitted += sum(len(o.delta_token_ids) for o in outs)
+            t_decode, decode_steps = rec["decode_s"], rec["decode_steps"]
+            rec.update(decode_s=round(t_decode, 3),
                        tok_s=round(emitted / t_decode, 2) if t_decode else 0.0,
                        chained=eng.chainer.chained_steps - chained0)
+            runs[name].append(rec)
             rec["host_s"] = round(t_decode - rec["execute_s"] - rec["propose_s"], 3)
             rec["host_ms_per_step"] = round(rec["host_s"] / max(1, decode_steps) * 1e3, 2)
             rec["execute_s"], rec["propose_s"] = (round(rec["execute_s"], 3),
