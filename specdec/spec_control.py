@@ -50,7 +50,10 @@ of its own when its drafter's profile over every request (or the prior, for the 
 requests) says no; else one bad stretch of traffic would keep the drafter off for every request
 after it (on the 2-core CPU, a 0.5b draft model behind 80-120-token prompts costs 140-240 ms to
 catch up, 5-9 target steps, and with only a plain step allowed it never drafted again after
-one rejected probe). Between probes the choice is held: where it
+one rejected probe). Nor does a probe start such a drafter where the plan would keep it off
+even if every one of its tokens were accepted (the 2-core CPU at batch 4-16, where a verified row and
+the draft model's pass cost more than the token they could add): acceptance evidence could not
+change that choice, and each such probe cost a catch-up. Between probes the choice is held: where it
 gives every sequence the same depth and the drafts can be made on the device, the engine chains
 those steps there without asking (specdec/chaining.py), and their acceptance and cost are
 recorded as any step's.
@@ -65,7 +68,8 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from specdec.acceptance import DRAFTER_DECAY, Acceptance, geometric
 from specdec.cost_model import CostModel
@@ -247,13 +251,13 @@ class SpeculationController:
             step = passes(base_rows + len(cands)) * self._period
             if len(c.alternatives) > 1 and (self._probe // len(cands)) % 2:
                 other = (picks[i] + 1) % len(c.alternatives)
-                if _startable(c.alternatives[other], step):
+                if _startable(c.alternatives[other], step, plan, alts, i):
                     picks[i] = other
                     ks[i] = min(max(1, ks[i]), c.alternatives[other].max_k)
             elif self.uniform:  # the whole batch one deeper: what that depth would cost
                 ks = [min(k + 1, a.max_k) if k > 0 or _startable(a, step) else k
                       for k, a in zip(ks, alts)]
-            elif ks[i] > 0 or _startable(alts[i], step):
+            elif ks[i] > 0 or _startable(alts[i], step, plan, alts, i):
                 ks[i] = min(ks[i] + 1, alts[i].max_k)
             alts[i] = c.alternatives[picks[i]]
         out = {c.request_id: Choice(p, k) for c, p, k in zip(cands, picks, ks)}
@@ -360,7 +364,24 @@ class SpeculationController:
         return others[0] if others else None
 
 
-def _startable(a: Alternative, period: float) -> bool:
-    """Whether a probe may draft with `a`: its drafter is not behind, or its catch-up costs
-    at most PROBE_START of the plain steps until the next probe (`period` seconds)."""
-    return not a.stale or a.catch_up <= PROBE_START * period
+def _startable(a: Alternative, period: float,
+               plan: Callable[[list[Alternative]], list[int]] | None = None,
+               alts: list[Alternative] | None = None, i: int = 0) -> bool:
+    """Whether a probe may draft with `a` (for sequence `i` of `alts`): its drafter is not
+    behind, or its catch-up costs at most PROBE_START of the plain steps until the next probe
+    (`period` seconds) and `plan` would draft with it were every one of its tokens accepted.
+    Where not even that would pay, the probe could only confirm depth 0, after paying the
+    catch-up: on the 2-core CPU at batch 8, a draft model kept off was probed twice in 96
+    steps, each probe first reading the sequence's context, 0.64-0.72 s of proposals in 8.2 s
+    of decoding (bench/results/cpu_batch_host_b8_20261206.json), where fixed k = 2 at tau 2.4
+    read 0.6x of off. A drafter not behind is probed regardless: that costs a row, and measures
+    its costs again (host work per drafting sequence, say, that has come down)."""
+    if not a.stale:
+        return True
+    if a.catch_up > PROBE_START * period:
+        return False
+    if plan is None or alts is None:
+        return True
+    trial = list(alts)
+    trial[i] = replace(a, survival=[1.0] * len(a.survival))
+    return plan(trial)[i] > 0

@@ -269,3 +269,24 @@ def test_warm_up_leaves_the_costs_and_forgets_the_acceptance(tiny_llama):
     assert c.survival("next", "ngram", 4) == geometric(PRIOR_ACCEPT, 4)  # ... nothing else kept
     assert c.stats == {} and llm.engine.spec_totals == {}
     assert not llm.engine.has_unfinished()
+
+
+def test_probes_skip_a_drafter_that_could_not_pay_even_if_every_token_were_accepted():
+    # Each row beyond the batch costs as much as a whole plain step of 8 sequences emits per
+    # sequence and more: no acceptance could make drafting pay at batch 8, so probes (which
+    # would first feed a draft model behind on the sequence) leave it off. At batch 1 with
+    # cheap rows they still start it.
+    def probed(batch: int, per_row: float) -> int:
+        c = SpeculationController()
+        for rows in range(1, 2 * batch + 9):
+            c.record_pass(rows, 1.0 + per_row * max(0, rows - batch))
+        for _ in range(20):
+            c.verified("old", "draft_model", 4, 0, 1)
+        s = c.survival("new", "draft_model", 4)
+        cands = [Candidate(f"r{j}", [Alternative("draft_model", 4, 1, s, False, True, 0.1)])
+                 for j in range(batch)]
+        return sum(ch.k > 0 for _ in range(PROBE_EVERY * 2)
+                   for ch in c.choose(batch, 0, cands).values())
+
+    assert probed(1, 0.05) == 2
+    assert probed(8, 0.2) == 0

@@ -3,7 +3,8 @@ against adaptive requests that the controller keeps plain: per configuration, ta
 `--rounds` rounds on the same prompts (HumanEval, greedy, `--batch` sequences), the decode
 steps' wall time split into the target's `execute` calls, the drafter's `propose` and the
 rest (scheduling, the controller's plan, verification, commits: host work), and how many steps
-were chained (`specdec/chaining.py`).
+were chained (`specdec/chaining.py`), and the draft depths its steps verified. `draft_model_k2`
+is the draft model at a fixed depth of 2, for comparison.
 
     PYTHONPATH=. python3 bench/investigations/cpu_batch_host.py --batch 16 --rounds 3 \
         [--configs off,ngram,draft_model] [--out FILE]
@@ -25,6 +26,7 @@ CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": True},
     "auto": {"method": "auto", "num_speculative_tokens": 4},
+    "draft_model_k2": {"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False},
 }
 
 
@@ -72,6 +74,7 @@ def main() -> None:
             rec = {"round": rnd, "execute_s": 0.0, "propose_s": 0.0, "decode_steps": 0,
                    "decode_s": 0.0}
             chained0 = eng.chainer.chained_steps
+            depths0 = {m: dict(st.depths) for m, st in eng.drafting.controller.stats.items()}
             emitted = 0
             while eng.has_unfinished():
                 prefill = any(s.in_prefill for s in eng.scheduler.running) \
@@ -90,6 +93,11 @@ def main() -> None:
             rec.update(decode_s=round(t_decode, 3),
                        tok_s=round(emitted / t_decode, 2) if t_decode else 0.0,
                        chained=eng.chainer.chained_steps - chained0)
+            # the depths the steps of this run verified (fixed ones included), per drafter
+            rec["depths"] = {m: {k: n - depths0.get(m, {}).get(k, 0)
+                                 for k, n in sorted(st.depths.items())
+                                 if n > depths0.get(m, {}).get(k, 0)}
+                             for m, st in eng.drafting.controller.stats.items()}
             runs[name].append(rec)
             rec["host_s"] = round(t_decode - rec["execute_s"] - rec["propose_s"], 3)
             rec["host_ms_per_step"] = round(rec["host_s"] / max(1, decode_steps) * 1e3, 2)
