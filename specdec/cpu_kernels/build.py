@@ -26,6 +26,7 @@ import torch
 
 # The matmuls and attention, and the decoder layers built on them (specdec/models/cpu_layers.py).
 SOURCES = (Path(__file__).with_name("quant_matmul.c"), Path(__file__).with_name("layer_step.c"))
+HEADERS = (Path(__file__).with_name("fixed_math.h"),)  # part of the cache key too
 BUILDS = ("avx512", "portable")
 PATHS = {"portable": 0, "avx512": 1, "amx": 2}  # the `path` argument of sd_q*_matmul
 _FLAGS = {
@@ -93,7 +94,7 @@ def load(isa: str) -> ctypes.CDLL:
                                 f"for the {isa} kernels")
     cc = _compiler()
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", *_FLAGS[isa]]
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)
                          + " ".join([cc, *flags]).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     out = _cache_dir() / f"quant_matmul-{isa}-{key}.so"

@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fixed_math.h"
+
 void sd_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs);
 void sd_q4_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
                   const uint8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
@@ -156,7 +158,7 @@ static void mlp_block(const sd_layer *L, const sd_step *st, float *res) {
     for (int64_t m = 0; m < M; m++) {
         const float *g = st->wide + m * W, *u = g + up_at;
         float *a = st->x + m * I;
-        for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < I; i++) a[i] = silu_fixed(g[i]) * u[i];
     }
     linear(&L->down, st, st->x, st->narrow);
     const int64_t dw = L->down.width;

@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fixed_math.h"
+
 #ifdef SD_AVX512
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -398,29 +400,6 @@ static inline float dot_fixed(const float *a, const float *b, int64_t D) {
         for (int l = 0; l < w; l++) acc[l] += acc[l + w];
     return acc[0];
 #endif
-}
-
-/* e^x for x <= 0 (a softmax's shifted scores): x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes'
- * degree-6 polynomial, times 2^n built in the exponent bits; within 2 ulp of expf. Plain
- * arithmetic with explicit fused multiply-adds, so the compiler vectorises the loops below and
- * both builds give the same bits. */
-static inline float exp_nonpositive(float x) {
-    x = x > -87.0f ? x : -87.0f;
-    /* n = x / ln2 rounded to nearest by the 1.5 * 2^23 trick (vectorises where rintf may not) */
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = fmaf(n, -0.693359375f, x);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p, r * r, r) + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
 }
 
 /* s[0, S) <- softmax(s), in a fixed order: the maximum and the sum over 16 lanes (lane l takes
