@@ -51,12 +51,12 @@ requests) says no; else one bad stretch of traffic would keep the drafter off fo
 after it (on the 2-core CPU, a 0.5b draft model behind 80-120-token prompts costs 140-240 ms to
 catch up, 5-9 target steps, and with only a plain step allowed it never drafted again after
 one rejected probe). Nor does a probe start such a drafter where the plan would keep it off
-even if every one of its tokens were accepted (the 2-core CPU at batch 4-16, where a verified row and
-the draft model's pass cost more than the token they could add): acceptance evidence could not
-change that choice, and each such probe cost a catch-up. Between probes the choice is held: where it
-gives every sequence the same depth and the drafts can be made on the device, the engine chains
-those steps there without asking (specdec/chaining.py), and their acceptance and cost are
-recorded as any step's.
+even if every one of its tokens were accepted (the 2-core CPU at batch 4-16, where a verified
+row and the draft model's pass cost more than the token they could add): acceptance evidence
+could not change that choice, and each such probe cost a catch-up. Between probes the choice
+is held: where it gives every sequence the same depth and the drafts can be made on the device,
+the engine chains those steps there without asking (specdec/chaining.py), and their acceptance
+and cost are recorded as any step's.
 
 `auto` requests carry several drafters. Each step a sequence takes the drafter with the higher
 expected tokens per unit of cost; when that is a lookup drafter (n-gram) it comes with the best
