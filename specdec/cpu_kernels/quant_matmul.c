@@ -70,6 +70,27 @@ void sd_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *x
         for (int64_t g = 0; g < G; g++) {
             const float *src = x + m * K + g * GROUP;
             int8_t *dst = xq + m * K + g * GROUP;
+#ifdef SD_AVX512
+            /* The loop below in two vectors of 16, with the same result: the maximum is exact,
+             * the product rounded to float, then to the nearest integer, ties to even (what
+             * lrintf does in the default rounding mode), and the integer sum exact; the scalar
+             * loop calls lrintf for every value and does not vectorise. */
+            const __m512 a0 = _mm512_loadu_ps(src), a1 = _mm512_loadu_ps(src + 16);
+            const float vmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0),
+                                                                  _mm512_abs_ps(a1)));
+            const float vd = vmax / 127.0f, vinv = vd > 0.0f ? 1.0f / vd : 0.0f;
+            const __m512 vi = _mm512_set1_ps(vinv);
+            const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+            const __m512i q0 = _mm512_min_epi32(_mm512_max_epi32(
+                _mm512_cvtps_epi32(_mm512_mul_ps(a0, vi)), lo), hi);
+            const __m512i q1 = _mm512_min_epi32(_mm512_max_epi32(
+                _mm512_cvtps_epi32(_mm512_mul_ps(a1, vi)), lo), hi);
+            _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(q1));
+            xd[m * G + g] = vd;
+            xs[m * G + g] = vd * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            continue;
+#endif
             float amax = 0.0f;
             for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(src[i]));
             const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
