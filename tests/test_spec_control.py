@@ -272,10 +272,10 @@ def test_warm_up_leaves_the_costs_and_forgets_the_acceptance(tiny_llama):
 
 
 def test_probes_skip_a_drafter_that_could_not_pay_even_if_every_token_were_accepted():
-    # Each row beyond the batch costs as much as a whole plain step of 8 sequences emits per
-    # sequence and more: no acceptance could make drafting pay at batch 8, so probes (which
-    # would first feed a draft model behind on the sequence) leave it off. At batch 1 with
-    # cheap rows they still start it.
+    # At batch 8 a plain step costs 1.0 s for 8 tokens and each row beyond it 0.2 s: more than
+    # the 0.125 s a token plain decoding pays, so no acceptance could make drafting pay, and
+    # probes (which would first feed a draft model behind on the sequence) leave it off. At
+    # batch 1, with rows at 0.05 s, they still start it.
     def probed(batch: int, per_row: float) -> int:
         c = SpeculationController()
         for rows in range(1, 2 * batch + 9):

@@ -71,15 +71,15 @@ void sd_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *x
             const float *src = x + m * K + g * GROUP;
             int8_t *dst = xq + m * K + g * GROUP;
 #ifdef SD_AVX512
-            /* The loop below in two vectors of 16, with the same result: the maximum is exact,
-             * the product rounded to float, then to the nearest integer, ties to even (what
-             * lrintf does in the default rounding mode), and the integer sum exact; the scalar
-             * loop calls lrintf for every value and does not vectorise. */
+            /* The portable loop's result in two vectors of 16: the maximum is exact, the product
+             * rounded to float, then to the nearest integer, ties to even (what lrintf does in the
+             * default rounding mode), and the integer sum exact; that loop calls lrintf for every
+             * value and does not vectorise. */
             const __m512 a0 = _mm512_loadu_ps(src), a1 = _mm512_loadu_ps(src + 16);
-            const float vmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0),
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0),
                                                                   _mm512_abs_ps(a1)));
-            const float vd = vmax / 127.0f, vinv = vd > 0.0f ? 1.0f / vd : 0.0f;
-            const __m512 vi = _mm512_set1_ps(vinv);
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m512 vi = _mm512_set1_ps(inv);
             const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
             const __m512i q0 = _mm512_min_epi32(_mm512_max_epi32(
                 _mm512_cvtps_epi32(_mm512_mul_ps(a0, vi)), lo), hi);
@@ -87,10 +87,8 @@ void sd_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *x
                 _mm512_cvtps_epi32(_mm512_mul_ps(a1, vi)), lo), hi);
             _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(q1));
-            xd[m * G + g] = vd;
-            xs[m * G + g] = vd * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-            continue;
-#endif
+            const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
             float amax = 0.0f;
             for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(src[i]));
             const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
@@ -101,6 +99,7 @@ void sd_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *x
                 dst[i] = (int8_t)v;
                 sum += v;
             }
+#endif
             xd[m * G + g] = d;
             xs[m * G + g] = d * (float)sum;
         }
