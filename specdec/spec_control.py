@@ -71,7 +71,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from specdec.acceptance import DRAFTER_DECAY, Acceptance, geometric
+from specdec.acceptance import DRAFTER_DECAY, PRIOR_WEIGHT, Acceptance, geometric
 from specdec.cost_model import CostModel
 from specdec.depth_plan import Alternative, best_depths, uniform_depths
 
@@ -163,7 +163,8 @@ class SpeculationController:
         depth), `accepted` of them accepted, `emitted` tokens out."""
         own = self._seqs.setdefault((request_id, method), Acceptance())
         own.observe(depth, accepted, self._step)
-        self._drafters.setdefault(method, Acceptance(DRAFTER_DECAY)).observe(depth, accepted)
+        profile = self._drafters.setdefault(method, Acceptance(DRAFTER_DECAY, PRIOR_WEIGHT))
+        profile.observe(depth, accepted)
         pending = self._pending.pop(request_id, None)
         st = self.stats.setdefault(method, ControlStats())
         st.depths[depth] += 1
