@@ -9,12 +9,14 @@ geometric guess) and never grows with depth.
 A request's prior (its drafter's profile) counts for more while its evidence is new: it starts
 worth PRIOR_WEIGHT_NEW verifications and fades with each verification like any evidence, down
 to PRIOR_WEIGHT, the weight a profile's own prior (the geometric guess) has throughout. With
-a fixed weight of 2, one rejected draft took a new HumanEval request's first-position estimate
-from its drafter's 0.81 to 0.54, and on the 2-core CPU the controller then kept it plain for the
-rest of its 128 tokens (its draft model fell behind, so the evidence no longer faded), where
-drafting 4 deep ran 1.4x plain decoding at a first-position acceptance of 0.69. Across that
-run's requests the acceptance at a position varies by about 0.1 around its mean, which is what
-a prior of several verifications describes; within a request it moves (prose against code), and
+a fixed weight of 2, one rejected first draft took a new HumanEval request's first-position
+estimate from its drafter's 0.81 to 0.54, and the CPU server kept it plain for the rest of its
+128 tokens (its draft model fell behind, so that evidence no longer faded; 6 draft tokens in
+all), where the same server's next run drafted 165 tokens for it at 0.70 on the first position
+and ran 1.40x plain (bench/results/cpu_vs_llamacpp_20261206_trace_{1,2}.json, prompt 5, and
+server_trace_20261206_run1_prompt5.jsonl from bench/investigations/server_trace). In that run
+the six requests' first-position acceptance ranged 0.68-0.96: a spread that a prior worth
+several verifications describes. Within a request acceptance moves (prose against code), and
 the floor keeps a long-lived sequence's estimate its own.
 """
 
