@@ -6,7 +6,8 @@ counts of verifications that drafted j deep and of those that accepted j deep; a
 shrunk towards a prior (a request's towards its drafter's profile, a profile towards a
 geometric guess) and never grows with depth.
 
-A request's prior (its drafter's profile) counts for more while its evidence is new: it starts
+A request's prior (its drafter's profile) can count for more while its evidence is new (the
+controller asks it of a calibrated model drafter, SpeculationController.verified): it starts
 worth PRIOR_WEIGHT_NEW verifications and fades with each verification like any evidence, down
 to PRIOR_WEIGHT, the weight a profile's own prior (the geometric guess) has throughout. With
 a fixed weight of 2, one rejected first draft took a new HumanEval request's first-position

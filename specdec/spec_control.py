@@ -71,7 +71,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from specdec.acceptance import DRAFTER_DECAY, PRIOR_WEIGHT, Acceptance, geometric
+from specdec.acceptance import DRAFTER_DECAY, PRIOR_WEIGHT, PRIOR_WEIGHT_NEW, Acceptance, geometric
 from specdec.cost_model import CostModel
 from specdec.depth_plan import Alternative, best_depths, uniform_depths
 
@@ -160,8 +160,19 @@ class SpeculationController:
     def verified(self, request_id: str, method: str, depth: int, accepted: int,
                  emitted: int) -> None:
         """A verification of `request_id`'s draft from `method`: `depth` deep (the tree's
-        depth), `accepted` of them accepted, `emitted` tokens out."""
-        own = self._seqs.setdefault((request_id, method), Acceptance())
+        depth), `accepted` of them accepted, `emitted` tokens out. A request's estimate holds
+        to its drafter's profile more firmly at first (PRIOR_WEIGHT_NEW) where the drafter is a
+        model whose pass was calibrated: turned off, it falls behind, restarting it costs a
+        catch-up and its evidence stops fading, so one early rejection could keep it off for
+        good (specdec/acceptance.py). A lookup's, or an uncalibrated one's, fades back while
+        it is kept plain and starts at PRIOR_WEIGHT (with the firmer prior on the H100, the
+        n-gram profile's sequences at batch 1 stayed plain: 1.01x off against 1.69x before,
+        `bench/results/gpu_goodput_h100_20261206_prior_b.json`)."""
+        own = self._seqs.get((request_id, method))
+        if own is None:
+            firm = method in self.costs.draft_calibration
+            own = self._seqs[(request_id, method)] = Acceptance(
+                prior_weight=PRIOR_WEIGHT_NEW if firm else PRIOR_WEIGHT)
         own.observe(depth, accepted, self._step)
         profile = self._drafters.setdefault(method, Acceptance(DRAFTER_DECAY, PRIOR_WEIGHT))
         profile.observe(depth, accepted)

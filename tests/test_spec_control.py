@@ -9,6 +9,7 @@ from test_cost_model import _cached_curve, _never
 
 from specdec import LLM, SamplingParams
 from specdec.calibration import CALIBRATION_ROWS
+from specdec.cost_model import Curve
 from specdec.depth_plan import Alternative, best_depths
 from specdec.spec_control import (
     PRIOR_ACCEPT,
@@ -298,16 +299,26 @@ def test_one_rejected_draft_does_not_turn_off_a_request_whose_drafter_accepts_we
     # model's profile over earlier HumanEval requests (0.8 at the first position). A new request
     # whose first draft is rejected outright keeps drafting: one verification is not enough
     # evidence against a drafter that accepts well elsewhere. Its own evidence still rules
-    # once it has some: a run of rejections turns it off.
+    # once it has some: a run of rejections turns it off. (That firmer start is a calibrated
+    # model drafter's, which falls behind while it is off; a lookup's evidence fades back
+    # while it is kept plain, and one rejection weighs as much as it always did.)
     c = SpeculationController()
     for rows, ms in zip(range(1, 6), (30.2, 34.1, 40.8, 41.4, 46.2)):
         c.record_pass(rows, ms / 1e3)
     for depth, ms in zip(range(1, 5), (10.6, 21.8, 27.0, 34.8)):
         c.record_draft("draft_model", 1, depth, ms / 1e3)
-    for _ in range(200):
-        c.verified("earlier", "draft_model", 4, 3, 4)
-        c.verified("earlier", "draft_model", 4, 4, 5)
-        c.verified("earlier", "draft_model", 4, 0, 1)
+    model_pass = Curve(proportional=True)
+    for rows, ms in ((1, 8.7), (2, 10.5), (64, 110.0)):
+        model_pass.record(rows, ms / 1e3)
+    c.costs.draft_calibration["draft_model"] = model_pass
+    for method in ("draft_model", "ngram"):
+        for _ in range(200):
+            c.verified("earlier", method, 4, 3, 4)
+            c.verified("earlier", method, 4, 4, 5)
+            c.verified("earlier", method, 4, 0, 1)
+        c.verified("once", method, 4, 0, 1)
+    model, lookup = (c.survival("once", m, 1)[0] for m in ("draft_model", "ngram"))
+    assert model > 0.55 and lookup < 0.46  # the profile 0.67: (5.4 * 0.67) / 6.4, (2 * 0.67) / 3
 
     def depth() -> int:
         s = c.survival("new", "draft_model", 4)
