@@ -1,7 +1,9 @@
 """Where a draft model's one-row step goes on the CPU: the C decoder layers, the output layer,
-the rest of `ModelRunner.execute` (metadata, embedding, final norm: host work) and the greedy
-pick from the logits (the argmax, mapped back from a reduced draft vocabulary), against the
-target's one-row step. Fastest and median of `--repeats` steps at a 300-token context.
+the rest of `ModelRunner.execute` (metadata, embedding, final norm: host work; the embedding
+lookup and the final norm also on their own, and alone, back to back, for what the step's cold
+caches add) and the greedy pick from the logits (the argmax, mapped back from a reduced draft
+vocabulary), against the target's one-row step. Fastest and median of `--repeats` steps at a
+300-token context.
 
     PYTHONPATH=. python3 bench/investigations/cpu_draft_step_parts.py --out OUT.json
 """
@@ -44,8 +46,12 @@ def parts(runner, repeats: int, ids) -> dict[str, dict[str, float]]:
     head: list[float] = []
     total: list[float] = []
     pick: list[float] = []
+    embed: list[float] = []
+    norm: list[float] = []
     model = runner.model
     timed(model, "compute_logits", head)
+    timed(model.model.embed_tokens, "forward", embed)
+    timed(model.model.norm, "forward", norm)
     original_run = CpuLayers.run
 
     def run(self, *a, **kw):
@@ -68,11 +74,25 @@ def parts(runner, repeats: int, ids) -> dict[str, dict[str, float]]:
             pick.append(time.perf_counter() - t)
     finally:
         CpuLayers.run = original_run
-        del model.compute_logits
+        del model.compute_logits, model.model.embed_tokens.forward, model.model.norm.forward
+    # The same lookup and norm alone, back to back (warm caches): what they cost in a step
+    # beyond that is their code and data coming back after the layers streamed the weights.
+    tok = torch.tensor([100])
+    hidden = torch.randn(1, model.model.norm.weight.numel())
+    embed_alone, norm_alone = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        model.model.embed_tokens(tok)
+        embed_alone.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        model.model.norm(hidden)
+        norm_alone.append(time.perf_counter() - t)
     rest = [t - a - b for t, a, b in zip(total, layers, head)]
     res = {}
     for name, xs in (("execute", total), ("layers", layers), ("output_layer", head),
-                     ("execute_rest", rest), ("logits_to_token", pick)):
+                     ("execute_rest", rest), ("embedding", embed), ("final_norm", norm),
+                     ("embedding_alone", embed_alone), ("final_norm_alone", norm_alone),
+                     ("logits_to_token", pick)):
         res[name] = {"best_ms": round(min(xs) * 1e3, 3),
                      "median_ms": round(statistics.median(xs) * 1e3, 3)}
     return res
