@@ -34,7 +34,7 @@ class Acceptance:
     """Recency-weighted counts per draft position j (depth j + 1): verifications that drafted
     that deep, and those that accepted that deep."""
 
-    def __init__(self, decay: float = DECAY, prior_weight: float = PRIOR_WEIGHT_NEW) -> None:
+    def __init__(self, decay: float = DECAY, prior_weight: float = PRIOR_WEIGHT) -> None:
         self.decay = decay
         self.offered: list[float] = []
         self.accepted: list[float] = []

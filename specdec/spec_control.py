@@ -174,7 +174,7 @@ class SpeculationController:
             own = self._seqs[(request_id, method)] = Acceptance(
                 prior_weight=PRIOR_WEIGHT_NEW if firm else PRIOR_WEIGHT)
         own.observe(depth, accepted, self._step)
-        profile = self._drafters.setdefault(method, Acceptance(DRAFTER_DECAY, PRIOR_WEIGHT))
+        profile = self._drafters.setdefault(method, Acceptance(DRAFTER_DECAY))
         profile.observe(depth, accepted)
         pending = self._pending.pop(request_id, None)
         st = self.stats.setdefault(method, ControlStats())
