@@ -26,7 +26,8 @@ import torch
 
 # The matmuls and attention, and the decoder layers built on them (specdec/models/cpu_layers.py).
 SOURCES = (Path(__file__).with_name("quant_matmul.c"), Path(__file__).with_name("layer_step.c"))
-HEADERS = (Path(__file__).with_name("fixed_math.h"),)  # part of the cache key too
+# Part of the cache key too.
+HEADERS = (Path(__file__).with_name("fixed_math.h"), Path(__file__).with_name("quant_matmul.h"))
 BUILDS = ("avx512", "portable")
 PATHS = {"portable": 0, "avx512": 1, "amx": 2}  # the `path` argument of sd_q*_matmul
 _FLAGS = {

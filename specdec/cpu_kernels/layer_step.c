@@ -20,32 +20,12 @@
 #include <string.h>
 
 #include "fixed_math.h"
-
-void sd_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs);
-void sd_q4_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
-                  const uint8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
-                  int64_t N, float *y, int64_t ldy, int path);
-void sd_q8_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
-                  const int8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
-                  int64_t N, float *y, int64_t ldy, int path);
-void sd_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *kc,
-                  const float *vc, const int32_t *block_tables, int64_t bt_stride, int64_t bs,
-                  const int32_t *row_seq, const int32_t *row_prefix, const int64_t *extra_ptr,
-                  const int64_t *extra_slots, float scale, float *out);
-
-#define MAX_PARTS 3
-
-/* One QuantWeight: n output rows (padded to 16; `rows` of them real) over k inputs. */
-typedef struct {
-    int64_t kind, n, rows;  /* kind 4 or 8 */
-    const void *qs;
-    const uint16_t *d, *mn;  /* mn may be NULL */
-} sd_part;
+#include "quant_matmul.h"
 
 /* A QuantLinear: parts side by side along the output, bias laid out like the padded output. */
 typedef struct {
     int64_t nparts, k, width;  /* width: the padded output, the sum of the parts' n */
-    sd_part parts[MAX_PARTS];
+    sd_part parts[SD_MAX_PARTS];
     const float *bias;  /* [width] or NULL */
 } sd_linear;
 
@@ -79,18 +59,8 @@ typedef struct {
 static void linear(const sd_linear *l, const sd_step *st, const float *x, float *y) {
     /* y [M, width] = x [M, k] @ W^T (+ bias) */
     sd_quantize_rows(x, st->M, l->k, st->xq, st->xd, st->xs);
-    int64_t col = 0;
-    for (int64_t p = 0; p < l->nparts; p++) {
-        const sd_part *w = &l->parts[p];
-        const float *b = l->bias ? l->bias + col : NULL;
-        if (w->kind == 4)
-            sd_q4_matmul(st->xq, st->xd, st->xs, st->M, l->k, (const uint8_t *)w->qs, w->d, w->mn,
-                         b, w->n, y + col, l->width, (int)st->path);
-        else
-            sd_q8_matmul(st->xq, st->xd, st->xs, st->M, l->k, (const int8_t *)w->qs, w->d, w->mn,
-                         b, w->n, y + col, l->width, (int)st->path);
-        col += w->n;
-    }
+    sd_parts_matmul(st->xq, st->xd, st->xs, st->M, l->k, l->parts, l->nparts, l->bias, y,
+                    l->width, (int)st->path);
 }
 
 /* out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, over n values per row (stride ld). */

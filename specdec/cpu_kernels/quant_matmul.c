@@ -24,14 +24,18 @@
  *
  * Built twice by specdec/cpu_kernels/build.py: with -DSD_AVX512 (AVX-512 F/BW/VL + VNNI, and
  * AMX where the CPU and kernel allow it) and without (portable C). Row blocks are split between
- * OpenMP threads; the process shares PyTorch's libgomp, so torch.set_num_threads rules.
+ * OpenMP threads, one contiguous run each (sd_parts_matmul); the process shares PyTorch's libgomp,
+ * so torch.set_num_threads rules.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "fixed_math.h"
+#include "quant_matmul.h"
 
 #ifdef SD_AVX512
 #include <immintrin.h>
@@ -340,46 +344,82 @@ static int offset_q8(int kind, int path, int amx) { return kind == 8 && path != 
 /* Activation rows per pass over the weights: their int8 copies stay in the L2 cache. */
 #define M_CHUNK 128
 
-static void matmul(int kind, const int8_t *xq, const float *xd, const float *xs, int64_t M,
-                   int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
-                   const float *bias, int64_t N, float *y, int64_t ldy, int path) {
+/* The bytes of one row block of a part (its units, scales and offsets): what a thread streams. */
+static int64_t block_bytes(const sd_part *w, int64_t K) {
+    const int64_t G = K / GROUP;
+    return G * ((w->kind == 4 ? 256 : 512) + 2 * UNIT_ROWS * (w->mn ? 2 : 1));
+}
+
+/* y[M, sum of the parts' n] = x @ [W_0; W_1; ..]^T (+ bias): the parts side by side along the
+ * output, all of them in one parallel region (one fork and one join for q, k and v together).
+ * Each thread takes one contiguous run of row blocks across the parts, the runs cut at equal
+ * bytes (a q8 block streams twice a q4 block's), so that the threads finish together. */
+void sd_parts_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
+                     const sd_part *parts, int64_t nparts, const float *bias, float *y,
+                     int64_t ldy, int path) {
     /* path: 0 portable, 1 AVX-512, 2 AMX where it serves this row count */
-    const int64_t NB = N / UNIT_ROWS, G = K / GROUP;
+    int64_t first[SD_MAX_PARTS + 1], bytes[SD_MAX_PARTS + 1];
+    first[0] = 0, bytes[0] = 0;
+    int any_q8 = 0;
+    if (nparts < 1 || nparts > SD_MAX_PARTS) abort();  /* cpu_layers.py checks first */
+    for (int64_t p = 0; p < nparts; p++) {
+        first[p + 1] = first[p] + parts[p].n / UNIT_ROWS;
+        bytes[p + 1] = bytes[p] + (parts[p].n / UNIT_ROWS) * block_bytes(&parts[p], K);
+        any_q8 |= parts[p].kind == 8;
+    }
+    const int64_t G = K / GROUP, total = bytes[nparts];
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
         const int amx = path == 2 && use_amx(mc);
         const int8_t *xa = xq + m0 * K;
         int8_t *offset = NULL;  /* x + 128 as unsigned bytes: one xor per byte */
-        if (offset_q8(kind, path, amx)) {
+        if (any_q8 && offset_q8(8, path, amx)) {
             offset = malloc((size_t)(mc * K));
             if (offset == NULL) abort();
             for (int64_t i = 0; i < mc * K; i++) offset[i] = (int8_t)(xa[i] ^ 0x80);
-            xa = offset;
         }
-#pragma omp parallel for schedule(static)
-        for (int64_t nb = 0; nb < NB; nb++) {
-            if (path == 0)
-                block_portable(kind, xa, xd + m0 * G, xs + m0 * G, mc, K, qs, d, mn, bias, nb,
-                               y + m0 * ldy, ldy);
-            else
-                block_rows(kind, xa, xd + m0 * G, xs + m0 * G, mc, K, qs, d, mn, bias, nb,
-                           y + m0 * ldy, ldy, amx);
+#pragma omp parallel
+        {
+            const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+            /* this thread's run: the blocks whose first byte lies in [t, t + 1) * total / nt */
+            const int64_t lo = total * t / nt, hi = total * (t + 1) / nt;
+            for (int64_t p = 0; p < nparts; p++) {
+                const sd_part *w = &parts[p];
+                const int64_t per = block_bytes(w, K), nb_count = first[p + 1] - first[p];
+                /* blocks b of this part with bytes[p] + b * per in [lo, hi) */
+                int64_t b0 = lo <= bytes[p] ? 0 : (lo - bytes[p] + per - 1) / per;
+                int64_t b1 = hi <= bytes[p] ? 0 : (hi - bytes[p] + per - 1) / per;
+                b1 = b1 < nb_count ? b1 : nb_count;
+                const int8_t *xw = offset_q8(w->kind, path, amx) ? offset : xa;
+                const float *bw = bias ? bias + first[p] * UNIT_ROWS : NULL;
+                float *yw = y + m0 * ldy + first[p] * UNIT_ROWS;
+                for (int64_t nb = b0; nb < b1; nb++) {
+                    if (path == 0)
+                        block_portable((int)w->kind, xw, xd + m0 * G, xs + m0 * G, mc, K, w->qs,
+                                       w->d, w->mn, bw, nb, yw, ldy);
+                    else
+                        block_rows((int)w->kind, xw, xd + m0 * G, xs + m0 * G, mc, K, w->qs,
+                                   w->d, w->mn, bw, nb, yw, ldy, amx);
+                }
+            }
         }
         free(offset);
     }
 }
 
-/* N must be a multiple of 16 and K of 32 (the Python launcher pads and checks). */
+/* One weight: N must be a multiple of 16 and K of 32 (the Python launcher pads and checks). */
 void sd_q4_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
                   const uint8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
                   int64_t N, float *y, int64_t ldy, int path) {
-    matmul(4, xq, xd, xs, M, K, qs, d, mn, bias, N, y, ldy, path);
+    const sd_part w = {4, N, N, qs, d, mn};
+    sd_parts_matmul(xq, xd, xs, M, K, &w, 1, bias, y, ldy, path);
 }
 
 void sd_q8_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
                   const int8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
                   int64_t N, float *y, int64_t ldy, int path) {
-    matmul(8, xq, xd, xs, M, K, qs, d, mn, bias, N, y, ldy, path);
+    const sd_part w = {8, N, N, qs, d, mn};
+    sd_parts_matmul(xq, xd, xs, M, K, &w, 1, bias, y, ldy, path);
 }
 
 /* ---- attention over the paged KV cache, one query row at a time ------------------------------
