@@ -35,6 +35,24 @@ steps. The split never prices a drafted pass below a plain step of the batch (it
 least that many): on an H200 it once read -4.4 ms at 144 rows, and a plan then took k = 8 for
 an n-gram drafter whose fourth position survived 9% of the time.
 
+The machine's pace changes under a running server (on the 2-core CPU a plain step read 30 ms
+and 45 ms minutes apart, as neighbours came and went), and a cost is measured only while the
+choice that pays it is made: a draft depth not chosen lately, or the target's plain step while
+every step drafts, keeps the value of its time. Priced beside a fresh one, a stale cost decides
+wrongly and then is not measured again: a server that had drafted through a slow spell and found
+the machine fast again saw its old draft and verification costs against its new plain steps,
+went plain, and stayed plain on a prompt that speculating ran 1.37x faster in the same process.
+So every measurement is kept divided by `speed`, the pace at its time, and priced times the pace
+now. The pace is the median of the recent PACE_WINDOW measurements' times over their prices at
+pace 1, each of a size measured before: a step slowed by another process moves it no more than
+a median moves, a machine that stays slower moves it within a few steps. What sets it: plain
+and chained steps (a pass alone), and a model drafter's proposals (passes of a model too, the
+only ones while every step drafts). Not a drafted step planned on the host, whose time above
+its pass is the host work being learnt (were it taken for pace, a dearer host cost would read
+as a slower machine and never be seen), nor a lookup's proposal (host work of microseconds
+whose noise says nothing of the machine). Every cost then moves together, so
+what a plan compares keeps its proportions, and a choice seen at one pace holds at another.
+
 A runner that pads every sequence of a step to the deepest one's rows (CUDA graph buckets: B
 sequences of Q rows) has a simpler model, and one the split cannot give there (its rows and
 drafting sequences grow together, so the two terms are not told apart): the whole step's
@@ -56,6 +74,7 @@ from specdec.calibration import measure_curve
 
 WINDOW = 16  # recent measurements kept per row count
 HOST_AGE = 128  # recorded steps a drafted step's extra counts for (four probes apart)
+PACE_WINDOW = 9  # recent target steps whose median time over price is the pace
 
 
 class Curve:
@@ -125,6 +144,17 @@ class CostModel:
         self._line: tuple[float, float, int] | None = None  # spec_time's, while it holds
         # Decode steps, whole: batch size -> seconds by rows per sequence (drafters left out).
         self.steps: dict[int, Curve] = {}
+        # The machine's pace: every curve above (the calibrations aside) holds seconds divided
+        # by the pace at their time, and every price is times the pace now. It starts at 1, the
+        # pace of the first steps, and that 1 stays in the window until PACE_WINDOW steps.
+        self._paces: deque[float] = deque([1.0], maxlen=PACE_WINDOW)
+        self.speed = 1.0
+
+    def _observe(self, held: float, seconds: float) -> None:
+        """A target step took `seconds` where the curves price it at `held` (at pace 1)."""
+        if held > 0.0 and seconds > 0.0:
+            self._paces.append(seconds / held)
+            self.speed = sorted(self._paces)[(len(self._paces) - 1) // 2]
 
     # -- the target pass --------------------------------------------------------------------
     def record_pass(self, rows: int, seconds: float, speculating: int = 0,
@@ -144,23 +174,27 @@ class CostModel:
         apart, and only their sum is priced, which is what a plan of that batch needs.
         `batch`: the step's sequences (a pass over its rows costs at least a plain step of
         them)."""
+        if (speculating == 0 or chained) and rows in self.passes.best:
+            self._observe(self._pass(rows), seconds)  # a pass alone, of a size measured before
+        seconds /= self.speed
         self._steps += 1
         self._line = None
         if speculating == 0 or chained:
             self.passes.record(rows, seconds)
         if speculating > 0:
-            self._extra.append((self._steps, speculating, seconds - self.pass_time(rows)))
+            self._extra.append((self._steps, speculating, seconds - self._pass(rows)))
             if not chained:
                 self._line = None
-                floor = self.pass_time(batch) if 0 < batch < rows else 0.0
-                self.passes.record(rows, max(floor, seconds - self.spec_time(speculating)))
+                floor = self._pass(batch) if 0 < batch < rows else 0.0
+                self.passes.record(rows, max(floor, seconds - self._spec(speculating)))
                 self._line = None
 
     def record_step(self, batch: int, rows_per_seq: int, seconds: float) -> None:
         """A decode step of `batch` sequences, the deepest of `rows_per_seq` rows (its root
         and draft nodes), took `seconds`, its drafting left out."""
-        if batch > 0 and rows_per_seq > 0:
-            self.steps.setdefault(batch, Curve(typical=True)).record(rows_per_seq, seconds)
+        if batch > 0 and rows_per_seq > 0:  # (record_pass saw the same step: no _observe)
+            self.steps.setdefault(batch, Curve(typical=True)).record(rows_per_seq,
+                                                                     seconds / self.speed)
 
     def step_time(self, batch: int, rows_per_seq: int, drafting: int) -> float:
         """Seconds of a decode step of `batch` sequences padded to `rows_per_seq` rows each,
@@ -168,8 +202,11 @@ class CostModel:
         interpolated; beyond them, the nearest one moved by the split model's difference
         (never cheaper for more rows, nor dearer for fewer); at a batch never measured, the
         split model's pass_time + spec_time."""
+        return self._step(batch, rows_per_seq, drafting) * self.speed
+
+    def _step(self, batch: int, rows_per_seq: int, drafting: int) -> float:
         def split(q: int) -> float:
-            return self.pass_time(batch * q) + self.spec_time(drafting if q > 1 else 0)
+            return self._pass(batch * q) + self._spec(drafting if q > 1 else 0)
 
         curve = self.steps.get(batch)
         if not curve:
@@ -210,13 +247,18 @@ class CostModel:
 
     @property
     def measured(self) -> dict[int, float]:
-        return dict(sorted({**self.calibration.best, **self.passes.best}.items()))
+        """Seconds of a plain pass by the rows measured, at the pace now."""
+        held = {**self.calibration.best, **self.passes.best}
+        return {r: held[r] * self.speed for r in sorted(held)}
 
     def pass_time(self, rows: int) -> float:
         """Seconds of a plain step over `rows` query rows; 0.0 while nothing is measured.
         Within the range of real plain steps measured, theirs (interpolated); outside it, the
         calibrated pass plus what the real step nearest in size added to its calibrated pass
         (host work, which the calibration does not see)."""
+        return self._pass(rows) * self.speed
+
+    def _pass(self, rows: int) -> float:
         xs = self.passes.sizes
         if not self.calibration or (xs and xs[0] <= rows <= xs[-1]):
             return self.passes(rows)
@@ -232,6 +274,9 @@ class CostModel:
     def spec_time(self, speculating: int) -> float:
         """Seconds a step in which `speculating` sequences draft costs beyond a plain step of
         its rows (0.0 for none, and while no drafted step is measured)."""
+        return self._spec(speculating) * self.speed
+
+    def _spec(self, speculating: int) -> float:
         if speculating <= 0:
             return 0.0
         if self._line is None:
@@ -259,10 +304,13 @@ class CostModel:
     def record_draft(self, method: str, batch: int, depth: int, seconds: float) -> None:
         """A proposal for `batch` sequences, `depth` deep at most, took `seconds`."""
         if depth > 0 and batch > 0:
+            curve = self.drafts.get((method, batch))
+            if method in self.draft_calibration and curve is not None and depth in curve.best:
+                self._observe(curve.best[depth], seconds)  # a model's passes, as the target's
             # The median: how much a proposal feeds varies (a sequence that ends soon drafts
             # less), so the fastest one is an outlier that did less work.
             self.drafts.setdefault((method, batch), Curve(proportional=True, typical=True)
-                                   ).record(depth, seconds)
+                                   ).record(depth, seconds / self.speed)
 
     def draft_time(self, method: str, batch: int, depth: int) -> float:
         """Seconds of `method` proposing `depth` deep for `batch` sequences: measured at this
@@ -270,6 +318,9 @@ class CostModel:
         what real proposals cost against it at the nearest measured batch size); else what
         the nearest measured size cost, or 0.0 when never measured: an estimate that errs low
         is tried, measured and corrected; one that errs high would never be tried."""
+        return self._draft(method, batch, depth) * self.speed
+
+    def _draft(self, method: str, batch: int, depth: int) -> float:
         if batch <= 0 or depth <= 0:
             return 0.0
         curve = self.drafts.get((method, batch))
@@ -288,7 +339,7 @@ class CostModel:
         """Seconds a proposal that first feeds `tokens` a model drafter missed costs beyond a
         usual one (which feeds 2), from its calibrated pass; 0.0 where it is not calibrated."""
         c = self.draft_calibration.get(method)
-        return max(0.0, c(tokens) - c(2)) if c and tokens > 2 else 0.0
+        return max(0.0, c(tokens) - c(2)) * self.speed if c and tokens > 2 else 0.0
 
     def _calibrated_draft(self, method: str, batch: int, depth: int) -> float | None:
         """A proposal from the drafter's calibrated pass: one pass over two tokens a sequence

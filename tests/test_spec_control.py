@@ -332,3 +332,29 @@ def test_one_rejected_draft_does_not_turn_off_a_request_whose_drafter_accepts_we
     for _ in range(4):
         c.verified("new", "draft_model", 4, 0, 1)
     assert depth() == 0
+
+
+def test_costs_measured_in_a_slow_spell_follow_the_machine_when_it_speeds_up(tmp_path):
+    # The 2-core CPU's pace moves by half within minutes. A request drafts through a slow spell
+    # (every pass 1.5x), then plain steps (a request with speculation off) find the machine
+    # fast again. The draft depth's and the verification's costs, measured only while drafting,
+    # must come down with the pace: set as they were against the new plain steps, drafting
+    # (1.16x plain at this acceptance) reads as a loss and is not tried again.
+    c = SpeculationController()
+    c.costs.calibrate(_never, 8, _cached_curve(tmp_path, "t.json",
+                                               lambda r: 0.030 + 0.004 * (r - 1)))
+    c.costs.calibrate_drafter("draft_model", _never, 8,
+                              _cached_curve(tmp_path, "d.json", lambda r: 0.008 + 0.001 * r))
+    slow = 1.5
+    for _ in range(20):
+        c.record_pass(1, 0.030 * slow)
+    for _ in range(20):  # drafting 4 deep: a 5-row verification and 5 ms of host work
+        c.record_pass(5, (0.046 + 0.005) * slow, 1)
+        c.record_draft("draft_model", 1, 4, 0.036 * slow)
+    for _ in range(40):
+        c.record_pass(1, 0.030)
+    assert c.costs.pass_time(1) == pytest.approx(0.030)
+    assert c.costs.draft_time("draft_model", 1, 4) == pytest.approx(0.036)
+    assert c.costs.pass_time(5) + c.costs.spec_time(1) == pytest.approx(0.051)
+    alt = Alternative("draft_model", 4, 1, geometric(0.8, 4), False)
+    assert c.choose(1, 0, [Candidate("r", [alt])])["r"].k >= 3
