@@ -149,10 +149,17 @@ class CostModel:
         # pace of the first steps, and that 1 stays in the window until PACE_WINDOW steps.
         self._paces: deque[float] = deque([1.0], maxlen=PACE_WINDOW)
         self.speed = 1.0
+        # The engine leaves the pace at 1 on a GPU: the device is not shared with neighbours,
+        # and a step's time there moves with how host and device overlap (a call that finds
+        # the device done returns fast, the next waits longer), which a pace would take for
+        # the machine's. Followed there, the controller fell to 0.69-0.74x of the best fixed k
+        # in three of twelve cells at batch 1-16 (bench/results/gpu_goodput_h100_20261206_
+        # f5edd21_b.json, against 0.92-1.09x in the runs before).
+        self.follows_pace = True
 
     def _observe(self, held: float, seconds: float) -> None:
         """A target step took `seconds` where the curves price it at `held` (at pace 1)."""
-        if held > 0.0 and seconds > 0.0:
+        if self.follows_pace and held > 0.0 and seconds > 0.0:
             self._paces.append(seconds / held)
             self.speed = sorted(self._paces)[(len(self._paces) - 1) // 2]
 

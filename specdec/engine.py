@@ -82,6 +82,7 @@ class LLMEngine:
         self.token_pieces = TokenPieces(self.tokenizer, self.eos_token_ids)  # infill sampler
         self.drafting = Drafting(config.speculative, self._build_drafter, adaptive_speculation)
         self.drafting.controller.uniform = self.runner.graphs is not None
+        self.drafting.controller.costs.follows_pace = self.runner.device.type == "cpu"
         self.outputs = OutputBuilder(set(self.eos_token_ids))
         self.committer = StepCommitter(self.runner, self.blocks, self.scheduler, self.drafting,
                                        self.outputs, self.max_model_len)
