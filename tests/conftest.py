@@ -18,6 +18,17 @@ from specdec.config import RuntimeConfig
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _draft_every_depth(monkeypatch):
+    """The tiny random models' draft distributions are nearly flat (64 tokens, the top one
+    rarely above 0.3), so the draft model's default `p_min` would stop nearly every chain and
+    leave the tests of drafting with nothing drafted; they draft every depth asked for, and the
+    tests of `p_min` set it."""
+    import drafters.draft_model
+
+    monkeypatch.setattr(drafters.draft_model, "DRAFT_P_MIN", 0.0)
+
+
 @pytest.fixture(scope="session")
 def runtime() -> RuntimeConfig:
     """The runtime switches of the engines and graph runners the tests build on CUDA: the

@@ -104,6 +104,9 @@ CASES = {
     "ngram-tree-filters": (NGRAM_TREE, FILTERS),
     "draft-chain-filters-penalties": (DRAFT_CHAIN, {**FILTERS, **PENALTIES}),
     "draft-tree-penalties": (DRAFT_TREE, {**PENALTIES, "max_tokens": 6}),
+    # Chains that stop where the draft is unsure (at 0.3, of 8 tokens, about 60% of the draft
+    # tokens are not drafted): the stop reads the draft alone, so the target's law holds.
+    "draft-chain-p-min": ({**DRAFT_CHAIN, "p_min": 0.3}, FILTERS),
     # The goodput controller on: per-sequence depths, and for auto the drafter, per step.
     "adaptive-draft-chain": ({**DRAFT_CHAIN, "adaptive": True}, {}),
     "auto": ({"method": "auto", "num_speculative_tokens": 3}, FILTERS),

@@ -243,3 +243,20 @@ def test_constant_kv_pressure_keeps_outputs_and_starves_nobody(tiny_llama, refer
     assert [done[str(i)] for i in range(len(prompts))] == reference * 2
     assert preempted >= len(prompts)
     assert eng.blocks.num_used == 0
+
+
+def test_a_draft_models_chain_stops_where_the_draft_is_unsure(tiny_llama, tiny_draft,
+                                                               reference):
+    # `p_min`: a chain ends before a depth whose most likely token the draft model gives less
+    # than p_min. Outputs stay plain greedy's; a higher bar drafts fewer tokens, and one that
+    # no softmax reaches drafts none.
+    drafted = {}
+    for p_min in (0.0, 0.12, 1.0):
+        spec = {"method": "draft_model", "draft_model": str(tiny_draft),
+                "num_speculative_tokens": 4, "p_min": p_min}
+        llm = LLM(model=str(tiny_llama), speculative=spec)
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == reference
+        drafted[p_min] = sum(o.spec.draft_tokens for o in outs)
+        assert llm.engine.blocks.num_used == 0
+    assert drafted[0.0] > drafted[0.12] > drafted[1.0] == 0

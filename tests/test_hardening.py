@@ -27,6 +27,8 @@ def post(body: dict[str, Any], engine: FakeEngine | None = None, headers: dict |
     ({"method": "ngram", "min_n": 4, "max_n": 2}, "speculative.min_n"),
     ({"method": "ngram", "tree": 3}, "speculative.tree"),
     ({"method": "draft_model", "branches": 9}, "speculative.branches"),
+    ({"method": "draft_model", "p_min": 1.5}, "speculative.p_min"),
+    ({"method": "draft_model", "p_min": "high"}, "speculative.p_min"),
     ({"method": "ngram", "num_speculative_tokens": 65}, "speculative.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": True}, "speculative.num_speculative_tokens"),
     ({"method": "ngram", "adaptive": "yes"}, "speculative.adaptive"),
