@@ -24,8 +24,8 @@ experiments:
     control: small
     arms:
       none: {method: none}
-      small: {method: draft_model, draft_model: other, num_speculative_tokens: 3}
-      self: {method: draft_model, draft_model: self, num_speculative_tokens: 3}
+      small: {method: draft_model, draft_model: other, num_speculative_tokens: 3, p_min: 0}
+      self: {method: draft_model, draft_model: self, num_speculative_tokens: 3, p_min: 0}
   - name: later
     arms:
       none: {method: none}

@@ -1,10 +1,11 @@
 """What the speculation controller sees inside a running `specdec serve`: loaded by Python at
 start (as `sitecustomize`) when this folder is on PYTHONPATH, it appends one JSON line per
 decode request and step to $SD_TRACE: the depth chosen, the survival S_1 .. S_k the controller
-estimated, the drafter's catch-up (seconds) and whether it was behind, and the costs it planned
+estimated, the drafter's catch-up (seconds) and whether it was behind, the costs it planned
 with (the target pass at 1-5 rows, a drafted step's extra, the draft model at depths 1-4, in
-ms); and one line per model pass (`exec`: its milliseconds, the model's vocabulary size telling
-target from draft). Servers started by a benchmark inherit the environment:
+ms) and the machine's pace they are priced at; and one line per model pass (`exec`: its
+milliseconds, the model's vocabulary size telling target from draft). Servers started by a
+benchmark inherit the environment:
 
     SD_TRACE=/tmp/trace.jsonl PYTHONPATH=bench/investigations/server_trace \\
         python bench/cpu_vs_llamacpp.py --engines specdec_plain,specdec_spec --prompts 6 \\
@@ -41,6 +42,7 @@ def _install(out) -> None:
                 "behind": alt.stale if alt else None,
                 "pass_ms": [round(costs.pass_time(n) * 1e3, 2) for n in range(1, 6)],
                 "spec_ms": round(costs.spec_time(1) * 1e3, 2),
+                "pace": round(costs.speed, 3),
                 "draft_ms": [round(costs.draft_time("draft_model", 1, k) * 1e3, 2)
                              for k in range(1, 5)]}) + "\n")
 
