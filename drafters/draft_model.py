@@ -218,8 +218,8 @@ DRAFT_VOCAB = 32768
 DRAFT_CONTEXT = 256  # bench/results/cpu_draft_context_20261203.json
 # Chains cut before the draft's top probability falls under 0.5: with the CPU pair at fixed
 # depth, within 4% of the best threshold at k = 2, 4, 6 on HumanEval and ShareGPT (within 2% at
-# k = 4), against 6-8% (k = 4) to 27% (k = 6, ShareGPT) less without a cut (priced from recorded chains with this
-# machine's passes, bench/results/cpu_draft_confidence_20261206.json).
+# k = 4), against 6-8% (k = 4) to 27% (k = 6, ShareGPT) less without a cut (priced from
+# recorded chains with this machine's passes, bench/results/cpu_draft_confidence_20261206.json).
 DRAFT_P_MIN = 0.5
 
 
