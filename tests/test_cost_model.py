@@ -260,3 +260,18 @@ def test_calibration_times_rows_in_a_decode_steps_shape_and_leaves_generation_al
         assert len(set(blocks)) == len(blocks)  # no two sequences share a block
     monkeypatch.undo()
     assert [o.token_ids for o in llm.generate(prompts, p)] == ref
+
+
+def test_a_rarely_planned_depth_is_priced_from_every_proposal_of_a_calibrated_drafter(tmp_path):
+    # A draft model proposes 3 deep step after step and once, as a probe, 4 deep in a slow
+    # moment. Read per depth, 4 deep would keep that one time (twice its share) and look too
+    # dear to plan again; priced from the calibrated shape and all proposals, it costs one pass
+    # more than 3 deep.
+    c = CostModel()
+    c.calibrate_drafter("draft_model", _never, 8,
+                        _cached_curve(tmp_path, "d.json", lambda r: 0.008 + 0.001 * r))
+    for _ in range(20):
+        c.record_draft("draft_model", 1, 3, 0.010 + 2 * 0.009)
+    c.record_draft("draft_model", 1, 4, 2 * (0.010 + 3 * 0.009))
+    assert c.draft_time("draft_model", 1, 4) == pytest.approx(0.010 + 3 * 0.009)
+    assert c.draft_time("draft_model", 1, 6) == pytest.approx(0.010 + 5 * 0.009)
