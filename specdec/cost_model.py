@@ -43,15 +43,16 @@ wrongly and then is not measured again: a server that had drafted through a slow
 the machine fast again saw its old draft and verification costs against its new plain steps,
 went plain, and stayed plain on a prompt that speculating ran 1.37x faster in the same process.
 So every measurement is kept divided by `speed`, the pace at its time, and priced times the pace
-now. The pace is the median of the recent PACE_WINDOW measurements' times over their prices at
-pace 1, each of a size measured before: a step slowed by another process moves it no more than
-a median moves, a machine that stays slower moves it within a few steps. What sets it: plain
-and chained steps (a pass alone), and a model drafter's proposals (passes of a model too, the
-only ones while every step drafts). Not a drafted step planned on the host, whose time above
-its pass is the host work being learnt (were it taken for pace, a dearer host cost would read
-as a slower machine and never be seen), nor a lookup's proposal (host work of microseconds
-whose noise says nothing of the machine). Every cost then moves together, so
-what a plan compares keeps its proportions, and a choice seen at one pace holds at another.
+now. The pace is the median of the recent PACE_WINDOW target steps' times over the calibrated
+pass at their rows:
+a step slowed by another process moves it no more than a median moves, a machine that stays
+slower moves it within a few steps. It is anchored to the calibration, which stays fixed: priced
+against the curves it normalises, each new reading would be the pace of the readings before it,
+and the pace a random walk (it was, at first: in a server trace it wandered from 0.75 to 3.5
+over eleven requests while the target's steps took 27-35 ms throughout). Only the target sets
+it: a draft model's proposal varies with where `p_min` cuts it, and a lookup's is microseconds
+of host work. Every cost then moves together, so what a plan compares keeps its proportions,
+and a choice seen at one pace holds at another.
 
 A runner that pads every sequence of a step to the deepest one's rows (CUDA graph buckets: B
 sequences of Q rows) has a simpler model, and one the split cannot give there (its rows and
@@ -149,21 +150,26 @@ class CostModel:
         self.steps: dict[int, Curve] = {}
         # The machine's pace: every curve above (the calibrations aside) holds seconds divided
         # by the pace at their time, and every price is times the pace now. It starts at 1, the
-        # pace of the first steps, and that 1 stays in the window until PACE_WINDOW steps.
+        # calibration's, and that 1 stays in the window until PACE_WINDOW steps.
         self._paces: deque[float] = deque([1.0], maxlen=PACE_WINDOW)
         self.speed = 1.0
-        # The engine leaves the pace at 1 on a GPU: the device is not shared with neighbours,
-        # and a step's time there moves with how host and device overlap (a call that finds
-        # the device done returns fast, the next waits longer), which a pace would take for
-        # the machine's. Followed there, the controller fell to 0.69-0.74x of the best fixed k
-        # in three of twelve cells at batch 1-16 (bench/results/gpu_goodput_h100_20261206_
+        # Followed where the engine says so, on the CPU. It leaves the pace at 1 on a GPU: the
+        # device is not shared with neighbours, and a step's time there moves with how host
+        # and device overlap (a call that finds the device done returns fast, the next waits
+        # longer), which a pace would take for the machine's. Followed there (f5edd21's pace,
+        # read against the curves), the controller fell to 0.69-0.74x of the best fixed k in
+        # three of twelve cells at batch 1-16 (bench/results/gpu_goodput_h100_20261206_
         # f5edd21_b.json, against 0.92-1.09x in the runs before).
-        self.follows_pace = True
+        self.follows_pace = False
 
-    def _observe(self, held: float, seconds: float) -> None:
-        """A target step took `seconds` where the curves price it at `held` (at pace 1)."""
-        if self.follows_pace and held > 0.0 and seconds > 0.0:
-            self._paces.append(seconds / held)
+    def _observe(self, rows: int, seconds: float) -> None:
+        """A target step over `rows` took `seconds`, host work included: a drafted step's share
+        of it (5 ms of 51 on the CPU at batch 1) reads as pace while every step drafts, a
+        bias of that size, where leaving it out by the extra fitted from the same steps made
+        the pace and the fit feed each other (the pace fell to 0.43 on a steady machine)."""
+        cal = self.calibration(rows) if self.follows_pace and self.calibration else 0.0
+        if cal > 0.0 and seconds > 0.0:
+            self._paces.append(seconds / cal)
             self.speed = sorted(self._paces)[(len(self._paces) - 1) // 2]
 
     # -- the target pass --------------------------------------------------------------------
@@ -184,8 +190,7 @@ class CostModel:
         apart, and only their sum is priced, which is what a plan of that batch needs.
         `batch`: the step's sequences (a pass over its rows costs at least a plain step of
         them)."""
-        if (speculating == 0 or chained) and rows in self.passes.best:
-            self._observe(self._pass(rows), seconds)  # a pass alone, of a size measured before
+        self._observe(rows, seconds)
         seconds /= self.speed
         self._steps += 1
         self._line = None
@@ -315,9 +320,6 @@ class CostModel:
     def record_draft(self, method: str, batch: int, depth: int, seconds: float) -> None:
         """A proposal for `batch` sequences, `depth` deep at most, took `seconds`."""
         if depth > 0 and batch > 0:
-            curve = self.drafts.get((method, batch))
-            if method in self.draft_calibration and curve is not None and depth in curve.best:
-                self._observe(curve.best[depth], seconds)  # a model's passes, as the target's
             # The median: how much a proposal feeds varies (a sequence that ends soon drafts
             # less), so the fastest one is an outlier that did less work.
             self.drafts.setdefault((method, batch), Curve(proportional=True, typical=True)

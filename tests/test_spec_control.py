@@ -341,6 +341,7 @@ def test_costs_measured_in_a_slow_spell_follow_the_machine_when_it_speeds_up(tmp
     # must come down with the pace: set as they were against the new plain steps, drafting
     # (1.16x plain at this acceptance) reads as a loss and is not tried again.
     c = SpeculationController()
+    c.costs.follows_pace = True  # as the engine sets it on the CPU
     c.costs.calibrate(_never, 8, _cached_curve(tmp_path, "t.json",
                                                lambda r: 0.030 + 0.004 * (r - 1)))
     c.costs.calibrate_drafter("draft_model", _never, 8,
@@ -353,8 +354,35 @@ def test_costs_measured_in_a_slow_spell_follow_the_machine_when_it_speeds_up(tmp
         c.record_draft("draft_model", 1, 4, 0.036 * slow)
     for _ in range(40):
         c.record_pass(1, 0.030)
+    # (While every step drafts, a step's host work reads as pace: 5 ms in 51, so what was
+    # measured then is priced up to a tenth low.)
     assert c.costs.pass_time(1) == pytest.approx(0.030)
-    assert c.costs.draft_time("draft_model", 1, 4) == pytest.approx(0.036)
-    assert c.costs.pass_time(5) + c.costs.spec_time(1) == pytest.approx(0.051)
+    assert c.costs.draft_time("draft_model", 1, 4) == pytest.approx(0.036, rel=0.12)
+    assert c.costs.pass_time(5) + c.costs.spec_time(1) == pytest.approx(0.051, rel=0.12)
     alt = Alternative("draft_model", 4, 1, geometric(0.8, 4), False)
     assert c.choose(1, 0, [Candidate("r", [alt])])["r"].k >= 3
+
+
+def test_the_pace_stays_anchored_on_a_steady_machine(tmp_path):
+    # Two thousand steps on a machine whose speed does not change, each step's time off by up
+    # to a quarter either way, drafting and plain in turns, proposals cut short at random (as
+    # p_min cuts them). The pace is read against the calibration, not against the curves it
+    # normalises; read against them it was a random walk (0.75 to 3.5 in one server's trace).
+    import random
+
+    rng = random.Random(3)
+    c = SpeculationController()
+    c.costs.follows_pace = True
+    c.costs.calibrate(_never, 8, _cached_curve(tmp_path, "t.json",
+                                               lambda r: 0.030 + 0.004 * (r - 1)))
+    c.costs.calibrate_drafter("draft_model", _never, 8,
+                              _cached_curve(tmp_path, "d.json", lambda r: 0.008 + 0.001 * r))
+    for step in range(2000):
+        noise = rng.uniform(0.8, 1.25)
+        if step % 200 < 100:
+            c.record_pass(1, 0.030 * noise)
+        else:
+            c.record_pass(5, (0.046 + 0.005) * noise, 1)
+            c.record_draft("draft_model", 1, 4, 0.009 * rng.randint(1, 4) * noise)
+    assert 0.85 < c.costs.speed < 1.2
+    assert c.costs.pass_time(1) == pytest.approx(0.030, rel=0.2)
