@@ -143,9 +143,10 @@ class DraftModelDrafter(Drafter):
                 q = process_logits(out.logits, [r.params for r in reqs], None)
                 picked = _pick(q, reqs)[:, None]
             p_min = [_p_min(r.options) for r in reqs]
-            sure = None  # [A]: the draft model's top probability at this depth (its own
-            if max(p_min) > 0.0:  # softmax, whatever the request's sampling), where asked for
-                sure = torch.softmax(out.logits.float(), dim=-1).max(dim=-1).values
+            sure = None  # [A]: whether the draft model's top probability at this depth (its
+            if max(p_min) > 0.0:  # own softmax, whatever the request samples) reaches p_min
+                top = torch.softmax(out.logits.float(), dim=-1).max(dim=-1).values
+                sure = top >= host_to_device(p_min, torch.float32, top.device)
             width = max(max(1, int(r.options.get("branches", 1))) for r in reqs)
             if width > 1:  # the next most likely tokens by the draft's logits, for siblings
                 picked = torch.cat([picked, out.logits.topk(width, dim=-1).indices], dim=1)
@@ -153,13 +154,13 @@ class DraftModelDrafter(Drafter):
                 picked = self.head_ids[picked]
                 if q is not None:  # sampled chains report q over the vocabulary
                     q = q.new_zeros(len(reqs), self.vocab_size).index_copy_(1, self.head_ids, q)
+            if sure is not None:  # read with the tokens, as the last column
+                picked = torch.cat([picked, sure[:, None].long()], dim=1)
             host = picked.tolist()  # the depth's one read for the whole batch
-            confident = [True] * len(active) if sure is None else \
-                [p >= m for p, m in zip(sure.tolist(), p_min)]
             for a, i in enumerate(active):
                 r, s = batch[i], states[i]
                 s.num_computed += len(feed[i])
-                if not confident[a]:
+                if sure is not None and not host[a][-1]:
                     # The draft is unsure of its next token: its chain ends here (what stops it
                     # is the draft's own distribution, so the verified output keeps the
                     # target's). Its KV is fed up to the last proposed token.

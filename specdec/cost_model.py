@@ -44,15 +44,14 @@ the machine fast again saw its old draft and verification costs against its new 
 went plain, and stayed plain on a prompt that speculating ran 1.37x faster in the same process.
 So every measurement is kept divided by `speed`, the pace at its time, and priced times the pace
 now. The pace is the median of the recent PACE_WINDOW target steps' times over the calibrated
-pass at their rows:
-a step slowed by another process moves it no more than a median moves, a machine that stays
-slower moves it within a few steps. It is anchored to the calibration, which stays fixed: priced
-against the curves it normalises, each new reading would be the pace of the readings before it,
-and the pace a random walk (it was, at first: in a server trace it wandered from 0.75 to 3.5
-over eleven requests while the target's steps took 27-35 ms throughout). Only the target sets
-it: a draft model's proposal varies with where `p_min` cuts it, and a lookup's is microseconds
-of host work. Every cost then moves together, so what a plan compares keeps its proportions,
-and a choice seen at one pace holds at another.
+pass at their rows: a step slowed by another process moves it no more than a median moves, a
+machine that stays slower moves it within a few steps. It is anchored to the calibration, which
+stays fixed: priced against the curves it normalises, each new reading would be the pace of the
+readings before it, and the pace a random walk (it was, at first: in a server trace it wandered
+from 0.75 to 3.5 over eleven requests while the target's steps took 27-35 ms throughout). Only
+the target sets it: a draft model's proposal varies with where `p_min` cuts it, and a lookup's
+is microseconds of host work. Every cost then moves together, so what a plan compares keeps its
+proportions, and a choice seen at one pace holds at another.
 
 A runner that pads every sequence of a step to the deepest one's rows (CUDA graph buckets: B
 sequences of Q rows) has a simpler model, and one the split cannot give there (its rows and
@@ -68,7 +67,7 @@ import bisect
 import itertools
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from specdec.calibration import measure_curve
@@ -76,6 +75,12 @@ from specdec.calibration import measure_curve
 WINDOW = 16  # recent measurements kept per row count
 HOST_AGE = 128  # recorded steps a drafted step's extra counts for (four probes apart)
 PACE_WINDOW = 9  # recent target steps whose median time over price is the pace
+
+
+def lower_median(xs: Iterable[float]) -> float:
+    """The median of a window, the lower of the middle two where they are two."""
+    s = sorted(xs)
+    return s[(len(s) - 1) // 2]
 
 
 class Curve:
@@ -97,7 +102,7 @@ class Curve:
             window = self._window[size] = deque(maxlen=WINDOW)
             bisect.insort(self._sizes, size)
         window.append(seconds)
-        self.best[size] = sorted(window)[(len(window) - 1) // 2] if self.typical else min(window)
+        self.best[size] = lower_median(window) if self.typical else min(window)
 
     def __bool__(self) -> bool:
         return bool(self._sizes)
@@ -170,7 +175,7 @@ class CostModel:
         cal = self.calibration(rows) if self.follows_pace and self.calibration else 0.0
         if cal > 0.0 and seconds > 0.0:
             self._paces.append(seconds / cal)
-            self.speed = sorted(self._paces)[(len(self._paces) - 1) // 2]
+            self.speed = lower_median(self._paces)
 
     # -- the target pass --------------------------------------------------------------------
     def record_pass(self, rows: int, seconds: float, speculating: int = 0,
@@ -330,9 +335,9 @@ class CostModel:
                     seconds / self.speed / est)
 
     def draft_time(self, method: str, batch: int, depth: int) -> float:
-        """Seconds of `method` proposing `depth` deep for `batch` sequences: measured at this
-        batch size; else, where the drafter's pass was calibrated, that estimate (scaled by
-        what real proposals cost against it at the nearest measured batch size); else what
+        """Seconds of `method` proposing `depth` deep for `batch` sequences: where the drafter's
+        pass was calibrated, that estimate (scaled by what real proposals cost against it, at
+        this batch size or the nearest measured); else measured at this batch size; else what
         the nearest measured size cost, or 0.0 when never measured: an estimate that errs low
         is tried, measured and corrected; one that errs high would never be tried."""
         return self._draft(method, batch, depth) * self.speed
@@ -349,12 +354,10 @@ class CostModel:
             # deeper) kept the time of its few proposals: on the 2-core CPU, 60 ms at depth 4
             # against 30 at depth 3, and the controller stopped at 3 (server trace, 2026-12-06).
             near = min(known, key=lambda b: (abs(b - batch), b))
-            ratios = sorted(self._draft_ratios[(method, near)])
-            return est * ratios[(len(ratios) - 1) // 2]
+            return est * lower_median(self._draft_ratios[(method, near)])
         curve = self.drafts.get((method, batch))
         if curve is not None:
             return curve(depth)
-        est = self._calibrated_draft(method, batch, depth)
         known = [b for (m, b) in self.drafts if m == method]
         if not known:
             return est or 0.0
