@@ -99,6 +99,11 @@ class Drafter(ABC):
     # Tokens the last proposal fed before its first draft (a draft model catching up after
     # steps without it); the speculation controller does not time such proposals.
     last_catch_up: int = 1
+    # A model drafter that may stop a chain short by its own judgement (a draft model's
+    # `p_min`), having paid the pass that judged; it then reports, per request of its last
+    # proposal, the depth it was asked for (a lookup's short tree found nothing, at no cost).
+    stops_short: ClassVar[bool] = False
+    last_asked: list[int] | None = None
 
     @abstractmethod
     def propose(self, batch: list[DraftRequest]) -> DraftTree:

@@ -39,6 +39,7 @@ class DraftModelDrafter(Drafter):
     `--draft-p-min`; default DRAFT_P_MIN, 0 drafts every depth asked for)."""
 
     name = "draft_model"
+    stops_short = True
     options = {"draft_model": Option(str), "branches": Option(int, 1, 8),
                "context": Option(int, 16, 1 << 20), "p_min": Option(float, 0.0, 1.0)}
 
@@ -119,6 +120,7 @@ class DraftModelDrafter(Drafter):
         probs: list[list[torch.Tensor]] = [[] for _ in batch]
         live = [d > 0 and self.blocks.reserve(s, len(f) + d)
                 for s, f, d in zip(states, feed, depth)]
+        self.last_asked = [d if ok else 0 for d, ok in zip(depth, live)]
         last_chain = [-1] * len(batch)
         for step in range(max(depth, default=0)):
             active = [i for i in range(len(batch)) if live[i] and step < depth[i]]

@@ -38,23 +38,30 @@ class Acceptance:
         self.decay = decay
         self.offered: list[float] = []
         self.accepted: list[float] = []
+        self.reached: list[float] = []  # ... and those whose drafter drafted that deep
         self.prior_weight = prior_weight
         self.step = 0  # the controller's step the counts are current at
         # The last survival asked, (k, prior) -> S: each step asks the drafter's profile the same
         self._last: tuple[tuple[int, tuple[float, ...]], list[float]] | None = None
 
-    def observe(self, depth: int, accepted: int, step: int = 0) -> None:
+    def observe(self, depth: int, accepted: int, step: int = 0,
+                drafted: int | None = None) -> None:
+        """A verification of a draft asked `depth` deep, of which the drafter drafted
+        `drafted` (default all: a model drafter may stop short, Drafter.last_asked) and the
+        target accepted `accepted`."""
         if depth <= 0:
             return  # nothing was drafted: nothing learnt (an n-gram lookup without a match)
+        drafted = depth if drafted is None else drafted
         self.step = max(self.step, step)
         self._last = None
         self.prior_weight = max(PRIOR_WEIGHT, self.prior_weight * self.decay)
         n = max(depth, len(self.offered))
-        self.offered += [0.0] * (n - len(self.offered))
-        self.accepted += [0.0] * (n - len(self.accepted))
+        for counts in (self.offered, self.accepted, self.reached):
+            counts += [0.0] * (n - len(counts))
         for j in range(n):
             self.offered[j] = self.offered[j] * self.decay + (j < depth)
             self.accepted[j] = self.accepted[j] * self.decay + (j < accepted)
+            self.reached[j] = self.reached[j] * self.decay + (j < drafted)
 
     def fade(self, step: int) -> None:
         """Counts fade by IDLE_DECAY for each step before `step` since they were last current
@@ -67,6 +74,7 @@ class Acceptance:
             f = IDLE_DECAY ** idle
             self.offered = [o * f for o in self.offered]
             self.accepted = [a * f for a in self.accepted]
+            self.reached = [r * f for r in self.reached]
             self._last = None
         self.step = max(self.step, step - 1)
 
@@ -92,6 +100,20 @@ class Acceptance:
             out.append(s)
         self._last = (key, out)
         return list(out)
+
+
+    def reach(self, k: int, prior: list[float]) -> list[float]:
+        """D_1 .. D_k: P(the drafter drafts j deep | asked j deep), shrunk towards `prior`
+        [k], never growing with j: what a proposal costs where a model drafter stops short
+        (its pass j + 1 runs only where it drafted j)."""
+        out: list[float] = []
+        prev = 1.0
+        for j in range(k):
+            o = self.offered[j] if j < len(self.offered) else 0.0
+            r = self.reached[j] if j < len(self.reached) else 0.0
+            prev = min(prev, (r + self.prior_weight * prior[j]) / (o + self.prior_weight))
+            out.append(prev)
+        return out
 
 
 def geometric(a: float, k: int) -> list[float]:

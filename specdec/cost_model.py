@@ -279,13 +279,23 @@ class CostModel:
                 self._draft_ratios.setdefault((method, batch), deque(maxlen=2 * WINDOW)).append(
                     seconds / self.speed / est)
 
-    def draft_time(self, method: str, batch: int, depth: int) -> float:
+    def draft_time(self, method: str, batch: int, depth: int,
+                   reach: list[float] | None = None) -> float:
         """Seconds of `method` proposing `depth` deep for `batch` sequences: where the drafter's
         pass was calibrated, that estimate (scaled by what real proposals cost against it, at
         this batch size or the nearest measured); else measured at this batch size; else what
         the nearest measured size cost, or 0.0 when never measured: an estimate that errs low
-        is tried, measured and corrected; one that errs high would never be tried."""
-        return self._draft(method, batch, depth) * self.speed
+        is tried, measured and corrected; one that errs high would never be tried. `reach`
+        (D_1 ..): where the drafter may stop short, the chance that it drafts j deep, so that
+        its depth j + 1 costs only that share (a proposal is recorded at the depth it ran)."""
+        if reach is None or depth <= 1:
+            return self._draft(method, batch, depth) * self.speed
+        sec, prev = self._draft(method, batch, 1), self._draft(method, batch, 1)
+        for j in range(2, depth + 1):
+            cur = self._draft(method, batch, j)
+            sec += (reach[j - 2] if j - 2 < len(reach) else 1.0) * (cur - prev)
+            prev = cur
+        return sec * self.speed
 
     def _draft(self, method: str, batch: int, depth: int) -> float:
         if batch <= 0 or depth <= 0:

@@ -31,6 +31,9 @@ class Alternative:
     # prefill of the prompt, for a new request) spread over the steps the sequence has left
     # (`SpeculationController.start_cost`).
     start: float = 0.0
+    # D_1 .. D_max_k, the chance that its drafter drafts j deep when asked, where it may stop
+    # short (a draft model's `p_min`): its pass j + 1 runs only then. None: it never stops.
+    reach: list[float] | None = None
 
 
 PassTime = Callable[[int], float]  # query rows -> seconds

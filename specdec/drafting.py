@@ -22,7 +22,7 @@ import torch
 
 from drafters import Drafter, DraftRequest, check_speculative, drafter_class
 from drafters.base import AUTO_DRAFTERS
-from drafters.tree import DraftTree
+from drafters.tree import DraftTree, row_shape
 from specdec.config import SpeculativeConfig
 from specdec.cost_model import CostModel
 from specdec.depth_plan import Alternative
@@ -49,6 +49,9 @@ class Drafting:
         self.totals: dict[str, SpecMetrics] = {}  # per method, over every request
         # (request, drafter key) -> the request's length at that drafter's last proposal
         self._proposed: dict[tuple[str, tuple[str, str | None]], int] = {}
+        # request -> the depth its drafter was last asked for, where the drafter may stop short
+        # (Drafter.last_asked): its verification is judged at that depth
+        self._asked: dict[str, int] = {}
 
     # -- admission --------------------------------------------------------------------------
     def resolve(self, override: dict[str, Any] | None) -> Speculation:
@@ -158,9 +161,10 @@ class Drafting:
         survival = self.controller.survival(r.request_id, s.method, s.k,
                                             fade=not (stale and catch_up > 0))
         left = r.seq.params.max_tokens - len(r.seq.output_token_ids)
+        reach = (self.controller.reach(r.request_id, s.method, s.k) if d.stops_short else None)
         return Alternative(s.method, s.k, d.max_nodes(1, s.options), survival,
                            d.proposes_by_lookup, stale, catch_up,
-                           self.controller.start_cost(s.method, behind, left, survival))
+                           self.controller.start_cost(s.method, behind, left, survival), reach)
 
     def _behind(self, r: Request, spec: Speculation) -> int:
         """Tokens `spec`'s drafter has not seen of `r` (since its last proposal for it)."""
@@ -220,11 +224,18 @@ class Drafting:
                 for i, r, b in zip(idxs, group, batch):
                     self._propose_alone(drafts, i, r, b, plan.decodes[i].max_draft_nodes)
                 continue
-            self.controller.record_draft(method, len(batch), max(b.k for b in batch),
-                                         time.perf_counter() - t0, drafter.last_catch_up)
-            for r in group:
-                self._proposed[(r.request_id, r.active.drafter_key)] = r.seq.num_tokens
+            seconds = time.perf_counter() - t0
             self._fill(drafts, idxs, tree, [plan.decodes[i].max_draft_nodes for i in idxs])
+            ran = max(b.k for b in batch)  # the depth its passes reached
+            if drafter.last_asked is not None:  # a chain stopped short ran one pass past it
+                ran = max((min(a, _depth(drafts[i].parents) + 1)
+                           for i, a in zip(idxs, drafter.last_asked)), default=0)
+            self.controller.record_draft(method, len(batch), ran, seconds,
+                                         drafter.last_catch_up)
+            asked = drafter.last_asked or [0] * len(group)
+            for r, a in zip(group, asked):
+                self._proposed[(r.request_id, r.active.drafter_key)] = r.seq.num_tokens
+                self._asked[r.request_id] = a
 
     def _propose_alone(self, drafts: list[Draft], i: int, r: Request, b: DraftRequest,
                        max_nodes: int) -> None:
@@ -238,6 +249,7 @@ class Drafting:
             r.fail(f"speculative drafter {r.active.method!r} failed: {exc}")
             self.release(r)
             return
+        self._asked[r.request_id] = (r.drafter.last_asked or [0])[0]
         self._fill(drafts, [i], tree, [max_nodes])
 
     @staticmethod
@@ -314,6 +326,7 @@ class Drafting:
         if r.drafter is None:
             return
         self.controller.forget(r.request_id)
+        self._asked.pop(r.request_id, None)
         for spec in self._choices(r):
             self._proposed.pop((r.request_id, spec.drafter_key), None)
             drafter = self.drafters.get(spec.drafter_key)
@@ -329,4 +342,15 @@ class Drafting:
         r.metrics.record(drafted, accepted, emitted, depth)
         tot = self.totals.setdefault(method, SpecMetrics(method=method))
         tot.record(drafted, accepted, emitted, depth)
-        self.controller.verified(r.request_id, method, depth, accepted, emitted)
+        # A chain its drafter stopped short (a draft model's `p_min`) is judged at the depth it
+        # was asked for: the positions it did not draft count as offered and rejected, since
+        # its passes were paid all the same. Judged by its drafted tokens alone, a ShareGPT
+        # prompt whose first draft was confident in 32 of 91 steps looked like 0.69 acceptance
+        # at the first position where each asked step gave 0.24, and the CPU server drafted it
+        # to 0.81-0.92x of plain (bench/results/HISTORY.md, 2026-12-07).
+        offered = max(depth, self._asked.pop(r.request_id, 0))
+        self.controller.verified(r.request_id, method, offered, accepted, emitted, depth)
+
+
+def _depth(parents: list[int]) -> int:
+    return row_shape(parents).depth if parents else 0

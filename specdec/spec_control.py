@@ -158,9 +158,10 @@ class SpeculationController:
             self.costs.record_draft(method, batch, depth, seconds)
 
     def verified(self, request_id: str, method: str, depth: int, accepted: int,
-                 emitted: int) -> None:
-        """A verification of `request_id`'s draft from `method`: `depth` deep (the tree's
-        depth), `accepted` of them accepted, `emitted` tokens out. A request's estimate holds
+                 emitted: int, drafted: int | None = None) -> None:
+        """A verification of `request_id`'s draft from `method`: `depth` deep (the depth it was
+        asked for; `drafted`, the tree's depth, where the drafter stopped short), `accepted`
+        of them accepted, `emitted` tokens out. A request's estimate holds
         to its drafter's profile more firmly at first (PRIOR_WEIGHT_NEW) where the drafter is a
         model whose pass was calibrated: turned off, it falls behind, restarting it costs a
         catch-up and its evidence stops fading, so one early rejection could keep it off for
@@ -173,9 +174,9 @@ class SpeculationController:
             firm = method in self.costs.draft_calibration
             own = self._seqs[(request_id, method)] = Acceptance(
                 prior_weight=PRIOR_WEIGHT_NEW if firm else PRIOR_WEIGHT)
-        own.observe(depth, accepted, self._step)
+        own.observe(depth, accepted, self._step, drafted)
         profile = self._drafters.setdefault(method, Acceptance(DRAFTER_DECAY))
-        profile.observe(depth, accepted)
+        profile.observe(depth, accepted, drafted=drafted)
         pending = self._pending.pop(request_id, None)
         st = self.stats.setdefault(method, ControlStats())
         st.depths[depth] += 1
@@ -208,6 +209,17 @@ class SpeculationController:
             own.fade(self._step)
         return own.survival(k, prior)
 
+    def reach(self, request_id: str, method: str, k: int) -> list[float]:
+        """D_1 .. D_k of this request with this model drafter (the chance that it drafts j
+        deep when asked, where it may stop short): its own evidence over its drafter's profile,
+        over never stopping."""
+        prior = [1.0] * k
+        drafter = self._drafters.get(method)
+        if drafter is not None:
+            prior = drafter.reach(k, prior)
+        own = self._seqs.get((request_id, method))
+        return prior if own is None else own.reach(k, prior)
+
     # -- a step's choice ----------------------------------------------------------------------
     def choose(self, base_rows: int, plain: int, cands: list[Candidate], batch: int = 0,
                base_q: int = 1) -> dict[str, Choice]:
@@ -222,8 +234,19 @@ class SpeculationController:
         if not self.costs.measured:
             # Measure plain decoding first: everything is compared with it.
             return {c.request_id: Choice(0, 0) for c in cands}
-        passes, drafts, host = self.costs.pass_time, self.costs.draft_time, self.costs.spec_time
+        passes, host = self.costs.pass_time, self.costs.spec_time
         batch = batch or plain + len(cands)
+        # A model drafter that may stop short runs its pass j + 1 only where it drafted j deep:
+        # its proposals are priced by the likeliest reach among the sequences it drafts for.
+        reach: dict[str, list[float]] = {}
+        for a in (a for c in cands for a in c.alternatives if a.reach is not None):
+            have = reach.setdefault(a.method, [])
+            have += [0.0] * (len(a.reach) - len(have))
+            for j, x in enumerate(a.reach):
+                have[j] = max(have[j], x)
+
+        def drafts(method: str, n: int, depth: int) -> float:
+            return self.costs.draft_time(method, n, depth, reach.get(method))
 
         def plan(alts: list[Alternative]) -> list[int]:
             if self.uniform:
@@ -353,7 +376,7 @@ class SpeculationController:
         for idx, a in enumerate(c.alternatives):
             value = max((sum(a.survival[:k]) / (
                 k * a.width * per_row + host + a.start
-                + self.costs.draft_time(a.method, batch, k) / max(1, batch))
+                + self.costs.draft_time(a.method, batch, k, a.reach) / max(1, batch))
                 for k in range(1, a.max_k + 1)), default=0.0)
             if value > best_value:
                 best, best_value = idx, value

@@ -275,3 +275,20 @@ def test_a_rarely_planned_depth_is_priced_from_every_proposal_of_a_calibrated_dr
     c.record_draft("draft_model", 1, 4, 2 * (0.010 + 3 * 0.009))
     assert c.draft_time("draft_model", 1, 4) == pytest.approx(0.010 + 3 * 0.009)
     assert c.draft_time("draft_model", 1, 6) == pytest.approx(0.010 + 5 * 0.009)
+
+
+def test_a_drafter_that_stops_short_pays_for_the_depths_it_reaches(tmp_path):
+    # A draft model whose `p_min` stops half its chains after the first token runs its second
+    # pass half the time and its third a quarter: a plan 3 deep is priced at the passes it
+    # runs in expectation. Proposals are recorded at the depth they ran, so the speed read from
+    # them stays the machine's.
+    c = CostModel()
+    c.calibrate_drafter("draft_model", _never, 8,
+                        _cached_curve(tmp_path, "d.json", lambda r: 0.008 + 0.001 * r))
+    for _ in range(10):
+        c.record_draft("draft_model", 1, 1, 0.010)
+        c.record_draft("draft_model", 1, 2, 0.010 + 0.009)
+    assert c.draft_time("draft_model", 1, 3) == pytest.approx(0.010 + 2 * 0.009)
+    assert c.draft_time("draft_model", 1, 3, [0.5, 0.25, 0.25]) == pytest.approx(
+        0.010 + 0.5 * 0.009 + 0.25 * 0.009)
+    assert c.draft_time("draft_model", 1, 1, [0.5]) == pytest.approx(0.010)

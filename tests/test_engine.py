@@ -260,3 +260,22 @@ def test_a_draft_models_chain_stops_where_the_draft_is_unsure(tiny_llama, tiny_d
         drafted[p_min] = sum(o.spec.draft_tokens for o in outs)
         assert llm.engine.blocks.num_used == 0
     assert drafted[0.0] > drafted[0.12] > drafted[1.0] == 0
+
+
+def test_a_chain_stopped_short_is_judged_at_the_depth_it_was_asked_for(tiny_llama):
+    # The target drafting for itself: every draft is accepted, unless p_min 1.0 stops every
+    # chain, each having paid a pass all the same. Then the controller's estimate of its first
+    # position falls to near nothing, where judged by its drafted tokens alone (none) it learnt
+    # nothing and kept the prior's 0.8.
+    est = {}
+    for p_min in (0.0, 1.0):
+        spec = {"method": "draft_model", "draft_model": str(tiny_llama),
+                "num_speculative_tokens": 4, "p_min": p_min}
+        llm = LLM(model=str(tiny_llama), speculative=spec)
+        llm.generate(PROMPTS, GREEDY)
+        ctl = llm.engine.drafting.controller
+        est[p_min] = ctl.survival("next", "draft_model", 1)[0]
+        if p_min == 1.0:  # asked 4 deep (less at a request's end), drafted none
+            depths = ctl.stats["draft_model"].depths
+            assert depths[4] > sum(depths.values()) / 2
+    assert est[1.0] < 0.1 < est[0.0]

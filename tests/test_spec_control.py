@@ -386,3 +386,19 @@ def test_the_pace_stays_anchored_on_a_steady_machine(tmp_path):
             c.record_draft("draft_model", 1, 4, 0.009 * rng.randint(1, 4) * noise)
     assert 0.85 < c.costs.speed < 1.2
     assert c.costs.pass_time(1) == pytest.approx(0.030, rel=0.2)
+
+
+def test_a_draft_models_reach_is_learnt_from_where_it_stopped_short():
+    # Asked 3 deep, the drafter drafted 1 token in four verifications of five, 3 in the fifth:
+    # D_1 is 1 (the first pass always runs and judges), D_2 and D_3 fall towards 0.2; a drafter
+    # never seen stopping short keeps 1 everywhere.
+    ctl = SpeculationController()
+    for _ in range(8):
+        for drafted in (1, 1, 1, 1, 3):
+            ctl.verified("r", "draft_model", 3, min(drafted, 1), 2, drafted)
+    d = ctl.reach("r", "draft_model", 3)
+    assert d[0] == pytest.approx(1.0)
+    assert 0.15 < d[1] < 0.35 and d[2] <= d[1]
+    assert ctl.reach("r", "eagle", 3) == [1.0, 1.0, 1.0]
+    # ... and its survival counts the positions it did not draft as rejected
+    assert ctl.survival("r", "draft_model", 2)[1] < 0.35

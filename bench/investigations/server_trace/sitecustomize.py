@@ -1,9 +1,10 @@
 """What the speculation controller sees inside a running `specdec serve`: loaded by Python at
 start (as `sitecustomize`) when this folder is on PYTHONPATH, it appends one JSON line per
 decode request and step to $SD_TRACE: the depth chosen, the survival S_1 .. S_k the controller
-estimated, the drafter's catch-up (seconds) and whether it was behind, the costs it planned
-with (the target pass at 1-5 rows, a drafted step's extra, the draft model at depths 1-4, in
-ms) and the machine's pace they are priced at; and one line per model pass (`exec`: its
+estimated (and the draft model's reach D_1 .. D_k, where its `p_min` may stop it short), the
+drafter's catch-up (seconds) and whether it was behind, the costs it planned with (the target
+pass at 1-5 rows, a drafted step's extra, the draft model at depths 1-4 priced at that reach,
+in ms) and the machine's pace they are priced at; and one line per model pass (`exec`: its
 milliseconds, the model's vocabulary size telling target from draft). Servers started by a
 benchmark inherit the environment:
 
@@ -43,8 +44,9 @@ def _install(out) -> None:
                 "pass_ms": [round(costs.pass_time(n) * 1e3, 2) for n in range(1, 6)],
                 "spec_ms": round(costs.spec_time(1) * 1e3, 2),
                 "pace": round(costs.speed, 3),
-                "draft_ms": [round(costs.draft_time("draft_model", 1, k) * 1e3, 2)
-                             for k in range(1, 5)]}) + "\n")
+                "reach": [round(x, 3) for x in alt.reach] if alt and alt.reach else None,
+                "draft_ms": [round(costs.draft_time("draft_model", 1, k, alt and alt.reach)
+                                   * 1e3, 2) for k in range(1, 5)]}) + "\n")
 
     cls.depths = traced_depths
     execute = model_runner.ModelRunner.execute
