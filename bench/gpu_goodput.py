@@ -8,7 +8,8 @@ proposes that output, corrupted per draft depth so that its survival follows the
 (drafters/replay.py `survival`). The drafter itself costs nothing here: the sweep measures what
 verification costs at each batch size and whether the controller's depths follow it. Decode
 throughput is tokens after every request's first token over that time; every speculative run's
-output must equal the plain run's.
+output must equal the plain run's. Every cell, speculation off included, runs twice with the
+profile's others in turn, the faster kept.
 
     PYTHONPATH=. python3 bench/gpu_goodput.py --profiles bench/results/goodput_cpu_DATE.json \\
         --out DIR [--batches 1,4,16,32,64,128] [--budget-s 540]
@@ -121,10 +122,15 @@ def main() -> None:
                 cells = {f"k={k}": {"num_speculative_tokens": int(k), "adaptive": False}
                          for k in a.k.split(",")}
                 cells["controller"] = {"num_speculative_tokens": a.k_max, "adaptive": True}
+                cells["off"] = {}
                 # Each cell twice, the faster kept: the first run of a shape may capture a
-                # graph or tune a kernel inside its timed window.
+                # graph or tune a kernel inside its timed window. Speculation off too, among
+                # them (and its first run above): a GPU's clocks move by a few percent over a
+                # batch's rows, and off timed once at their start read up to 5% above a
+                # controller that kept it off in all but its probes.
                 for name, extra in [(n, e) for _ in range(2) for n, e in cells.items()]:
-                    spec = {"method": "replay", "survival": surv, **extra}
+                    spec = ({"method": "replay", "survival": surv, **extra} if name != "off"
+                            else {"method": "none"})
                     if name == "controller" and a.fresh_costs:
                         engine.drafting.controller.costs.forget_steps()
                         engine.drafting.controller.forget_evidence()
@@ -136,7 +142,7 @@ def main() -> None:
                         row.setdefault("controller_runs", []).append(
                             _controller_detail(engine, before, batch, a.k_max, run.rate)
                             | {"chained_steps": engine.chainer.chained_steps - chained})
-                    else:  # the real steps' times by rows after each fixed-k run
+                    elif name != "off":  # the real steps' times by rows after each fixed k
                         passes = engine.drafting.controller.costs.passes.best
                         row.setdefault("real_pass_ms", {})[name] = {
                             str(r): round(v * 1e3, 3) for r, v in sorted(passes.items())}
@@ -145,7 +151,7 @@ def main() -> None:
                     if run.rate > row["tok_s"].get(name, 0.0):
                         row["tok_s"][name] = round(run.rate, 1)
                         row["tau"][name] = round(run.tau, 3)
-                off = plain.rate
+                off = row["tok_s"]["off"]
                 row["vs_off"] = {n: round(v / off, 3) for n, v in row["tok_s"].items()}
                 best = max((n for n in row["tok_s"] if n.startswith("k=")),
                            key=lambda n: row["tok_s"][n])
