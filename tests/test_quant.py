@@ -83,6 +83,33 @@ def test_quant_linear_parts_with_padding_keep_their_columns() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+def test_weights_rehomed_for_huge_pages_compute_the_same() -> None:
+    # Moved into one mapping advised for 2 MB pages (specdec/models/huge_pages.py): the same
+    # values, each tensor 64-byte aligned, the first on a 2 MB boundary, and the layer's output
+    # bit for bit what it was.
+    import mmap
+
+    from specdec.models.huge_pages import HUGE_PAGE, rehome
+
+    gen = torch.Generator().manual_seed(1)
+    a, b = QuantWeight.random("q4", 40, 256, gen), QuantWeight.random("q8", 24, 256, gen)
+    layer = QuantLinear([a, b], None)
+    x = torch.randn(5, 256, generator=gen)
+    before, kept = layer(x), [(t.clone() if t is not None else None)
+                              for w in (a, b) for t in (w.qs, w.d, w.mn)]
+    arena = rehome([a, b])
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        assert arena is None
+        return
+    moved = [t for w in (a, b) for t in (w.qs, w.d, w.mn)]
+    for old, new in zip(kept, moved):
+        assert (old is None) == (new is None)
+        if new is not None:
+            assert torch.equal(old, new) and new.data_ptr() % 64 == 0
+    assert a.qs.data_ptr() % HUGE_PAGE == 0
+    assert torch.equal(layer(x), before)
+
+
 def test_activation_quantization_bounds() -> None:
     x = torch.randn(2, 64) * 10
     x[0, :32] = 0.0  # an all-zero group has scale 0

@@ -17,6 +17,7 @@ from torch import nn
 
 from specdec.models.cpu_layers import CpuLayers
 from specdec.models.gguf_weights import FileEmbedding, GGUFTensor, load_tensors
+from specdec.models.huge_pages import rehome
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.quant_linear import QuantEmbedding, QuantLinear, QuantWeight
 
@@ -98,6 +99,11 @@ def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str,
         for rows in (1, 2, 4, 8, 16):
             choose_path(rows)
         log.info("cpu kernel path by activation rows (timed): %s", choices())
+    # In memory the kernel may back with 2 MB pages, before the C layers take their pointers.
+    unique = {id(w): w for m in model.modules()
+              for w in (m.parts if isinstance(m, QuantLinear) else
+                        [m.table] if isinstance(m, QuantEmbedding) else [])}
+    model.weight_arena = rehome(list(unique.values()))
     model.cpu_layers = CpuLayers.of(model, cpu_kernel)
     return model
 
