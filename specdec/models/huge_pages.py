@@ -16,10 +16,12 @@ import mmap
 
 import torch
 
+from specdec.models.loader import trim_heap
 from specdec.models.quant_linear import QuantWeight
 
 HUGE_PAGE = 1 << 21
 ALIGN = 64  # each tensor's start, as the kernels' vector loads like it
+TRIM_EVERY = 64 << 20  # bytes moved between handing the freed originals back to the system
 
 
 def rehome(weights: list[QuantWeight]) -> mmap.mmap | None:
@@ -40,10 +42,20 @@ def rehome(weights: list[QuantWeight]) -> mmap.mmap | None:
         pass
     buf = torch.frombuffer(arena, dtype=torch.uint8)
     at = (-buf.data_ptr()) % HUGE_PAGE
+    freed = 0
     for (w, f), size in zip(fields, sizes):
         t = getattr(w, f)
         home = buf[at:at + t.nbytes].view(t.dtype).view(t.shape)
         home.copy_(t)
         setattr(w, f, home)
         at += size
+        freed += t.nbytes
+        del t
+        if freed >= TRIM_EVERY:
+            # glibc keeps freed heap pages (and serves blocks up to 32 MB from the heap once
+            # large ones were freed): without handing them back as it goes, the server's
+            # peak resident memory grew from 3.2 to 3.9 GB.
+            trim_heap()
+            freed = 0
+    trim_heap()
     return arena
