@@ -17,7 +17,7 @@ from typing import Any
 
 from server.metrics import ServerMetrics
 from specdec.isolation import isolate
-from specdec.models.loader import trim_heap
+from specdec.models.heap import trim_heap
 
 log = logging.getLogger("specdec.server")
 # Isolations in a row that pin a failing step on no request before the loop fails them all.

@@ -213,7 +213,7 @@ class LLMEngine:
         no request pays for it; the server calls this before it reports ready."""
         if self.default_spec.method != "none":
             self.drafting.load_default()
-            from specdec.models.loader import release_freed_memory
+            from specdec.models.heap import release_freed_memory
 
             release_freed_memory()
 

@@ -122,9 +122,13 @@ def test_continuations_follow_the_target(llm, models, case, monkeypatch):
         # change from step to step (probes, acceptance). Every cost is set, the host work of
         # drafted steps too: the earlier cases' real steps would otherwise be read against
         # this pass time, as this machine's speed happens to make them.
+        # And the acceptance evidence starts fresh: the earlier `p_min` case's stopped chains
+        # (judged as rejections at the depth asked) would otherwise keep this one plain.
+        llm.engine.drafting.controller.forget_evidence()
         costs = llm.engine.drafting.controller.costs
         monkeypatch.setattr(costs, "pass_time", lambda rows: 1.0 + 1e-4 * rows)
-        monkeypatch.setattr(costs, "draft_time", lambda method, batch, depth: 1e-3 * depth)
+        monkeypatch.setattr(costs, "draft_time",
+                            lambda method, batch, depth, reach=None: 1e-3 * depth)
         monkeypatch.setattr(costs, "spec_time", lambda speculating: 1e-6 * speculating)
         monkeypatch.setattr(costs, "catch_up_time", lambda method, tokens: 1e-6 * tokens)
     counts, drafted, accepted = sample(llm, spec, seed=1000 * len(case), **kw)

@@ -4,9 +4,10 @@ A decode step streams every weight once: 1 GB for qwen2.5-coder-1.5b in 4 bits, 
 of 4 KB, each a TLB miss and a page walk, and the hardware prefetchers stop at each 4 KB page's
 end. Anonymous memory advised MADV_HUGEPAGE gets transparent huge pages wherever the system
 allows them for regions that ask (the `madvise` mode, Linux's default, and `always`); heap
-allocations do not ask. In one process, the same model's weights taking turns between the two
-homes, 12 rounds of 48 tokens each: 27.6 against 25.9 tok/s in the median, 31.4 against 28.6 at
-best (bench/results/HISTORY.md, 2026-12-07). Where the advice is not available (not Linux) the
+allocations do not ask. In one process on the 2-core EPYC, the same model's weights taking turns
+between this mapping and heap copies, 12 rounds of 48 tokens: 31.5 against 24.8 tok/s in the
+median, 35.0 against 29.6 at best (bench/investigations/cpu_huge_pages.py,
+bench/results/cpu_huge_pages_20261207.json). Where the advice is not available (not Linux) the
 weights stay where they are; where the system refuses huge pages it costs nothing.
 """
 
@@ -16,7 +17,7 @@ import mmap
 
 import torch
 
-from specdec.models.loader import trim_heap
+from specdec.models.heap import trim_heap
 from specdec.models.quant_linear import QuantWeight
 
 HUGE_PAGE = 1 << 21

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from specdec.models.heap import release_freed_memory
 from specdec.models.llama import ARCHITECTURES, FusedKernels, LlamaForCausalLM
 
 # HF checkpoint name -> (our parameter name, shard index within a fused weight).
@@ -107,27 +108,6 @@ def fused_kernels(pdl: bool = False, skinny_tune: bool = True) -> FusedKernels:
     from verify_kernels.skinny_tiles import TileChoices
 
     return FusedKernels(TileChoices(tune=skinny_tune), pdl=pdl)
-
-
-def release_freed_memory() -> None:
-    """Hand the heap memory freed by loading (conversion temporaries) back to the OS. glibc
-    keeps it otherwise: the default server held 0.85 GB more resident memory without this."""
-    import gc
-
-    gc.collect()
-    trim_heap()
-
-
-def trim_heap() -> None:
-    """Return the free pages of every malloc arena to the OS (glibc's malloc_trim; a no-op
-    elsewhere). The server calls it whenever its engine falls idle: steps leave freed
-    temporaries behind in each thread's arena, a few hundred MB over a dozen requests."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _init_rope(model: LlamaForCausalLM, hf: dict[str, Any], device: torch.device) -> None:
