@@ -40,6 +40,13 @@ def sharegpt_texts(n: int, min_chars: int = 64, max_chars: int = 1200) -> list[s
     return out
 
 
+def picked_texts(dataset: str, picks: str) -> tuple[list[int], list[str]]:
+    """`picks` ("3,4": indices into the dataset's prompts, "humaneval" or "sharegpt") and the
+    texts up to the last of them."""
+    idx = [int(x) for x in picks.split(",")]
+    return idx, (humaneval_texts if dataset == "humaneval" else sharegpt_texts)(max(idx) + 1)
+
+
 def encode_code(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Raw completion prompts: the text as it is, no special tokens."""
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]

@@ -31,12 +31,11 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
 
-    from prompts import humaneval_texts, sharegpt_texts
+    from prompts import picked_texts
 
     from specdec import LLM, SamplingParams
 
-    picks = [int(x) for x in a.prompts.split(",")]
-    texts = (humaneval_texts if a.dataset == "humaneval" else sharegpt_texts)(max(picks) + 1)
+    picks, texts = picked_texts(a.dataset, a.prompts)
     llm = LLM(model=a.model, quantization="auto", adaptive_speculation=True)
     eng = llm.engine
     runner = eng.drafting.drafter(eng.drafting.resolve(None)).runner
