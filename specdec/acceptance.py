@@ -101,7 +101,6 @@ class Acceptance:
         self._last = (key, out)
         return list(out)
 
-
     def reach(self, k: int, prior: list[float]) -> list[float]:
         """D_1 .. D_k: P(the drafter drafts j deep | asked j deep), shrunk towards `prior`
         [k], never growing with j: what a proposal costs where a model drafter stops short

@@ -290,7 +290,7 @@ class CostModel:
         its depth j + 1 costs only that share (a proposal is recorded at the depth it ran)."""
         if reach is None or depth <= 1:
             return self._draft(method, batch, depth) * self.speed
-        sec, prev = self._draft(method, batch, 1), self._draft(method, batch, 1)
+        sec = prev = self._draft(method, batch, 1)
         for j in range(2, depth + 1):
             cur = self._draft(method, batch, j)
             sec += (reach[j - 2] if j - 2 < len(reach) else 1.0) * (cur - prev)

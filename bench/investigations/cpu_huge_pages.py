@@ -32,13 +32,11 @@ def main() -> None:
 
     from specdec import LLM, SamplingParams
     from specdec.models.cpu_layers import CpuLayers
-    from specdec.models.quant_linear import QuantEmbedding, QuantLinear
+    from specdec.models.quant_model import quant_weights
 
     llm = LLM(model=a.model, quantization="auto", speculative={"method": "none"})
     model = llm.engine.runner.model
-    weights = list({id(w): w for m in model.modules()
-                    for w in (m.parts if isinstance(m, QuantLinear) else
-                              [m.table] if isinstance(m, QuantEmbedding) else [])}.values())
+    weights = quant_weights(model)
     fields = ("qs", "d", "mn")
     homes = {"huge": [tuple(getattr(w, f) for f in fields) for w in weights],
              "heap": [tuple(None if (t := getattr(w, f)) is None else t.clone() for f in fields)

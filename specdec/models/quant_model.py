@@ -100,12 +100,18 @@ def load_quantized(model: LlamaForCausalLM, gguf: Path, quantization: str,
             choose_path(rows)
         log.info("cpu kernel path by activation rows (timed): %s", choices())
     # In memory the kernel may back with 2 MB pages, before the C layers take their pointers.
+    model.weight_arena = rehome(quant_weights(model))
+    model.cpu_layers = CpuLayers.of(model, cpu_kernel)
+    return model
+
+
+def quant_weights(model: nn.Module) -> list[QuantWeight]:
+    """Every QuantWeight of a model's quantized layers and embedding, once each (a tied
+    output layer shares the embedding's)."""
     unique = {id(w): w for m in model.modules()
               for w in (m.parts if isinstance(m, QuantLinear) else
                         [m.table] if isinstance(m, QuantEmbedding) else [])}
-    model.weight_arena = rehome(list(unique.values()))
-    model.cpu_layers = CpuLayers.of(model, cpu_kernel)
-    return model
+    return list(unique.values())
 
 
 def _float_linear(w: torch.Tensor) -> nn.Linear:
