@@ -68,3 +68,23 @@ def test_a_row_gets_the_same_bits_alone() -> None:
                        torch.tensor([0, hi - lo]), view.extra_slots[lo:hi].clone())
         for path in available_paths():
             assert torch.equal(_run(path, q[r:r + 1].clone(), k, v, tables, one), together[r:r + 1])
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (12, 2, 128), (16, 1, 32)])
+def test_rows_of_one_sequence_read_together_get_the_bits_of_each_alone(hq, hkv, d) -> None:
+    # A prefill chunk's causal rows (11 of them: a group of 8 and one of 3), prefixes around a
+    # run of 16 keys, then a verification's tree rows, one with no prefix at all.
+    gen = torch.Generator().manual_seed(hq * d)
+    rows = ([(0, p, 0) for p in range(38, 49)]
+            + [(1, 31, 1), (1, 31, 2), (1, 31, 2), (1, 32, 3), (1, 0, 2)])
+    q, k, v, tables, view = _case(gen, hq, hkv, d, rows)
+    ref = attention_ref(q, k, v, SimpleNamespace(block_tables=tables), view, d ** -0.5)
+    for path in available_paths():
+        together = _run(path, q, k, v, tables, view)
+        torch.testing.assert_close(together, ref, rtol=1e-5, atol=1e-5)
+        for r in range(len(rows)):
+            lo, hi = int(view.extra_ptr[r]), int(view.extra_ptr[r + 1])
+            one = RowsView(view.row_seq[r:r + 1], view.row_prefix[r:r + 1],
+                           torch.tensor([0, hi - lo]), view.extra_slots[lo:hi].clone())
+            assert torch.equal(_run(path, q[r:r + 1].clone(), k, v, tables, one),
+                               together[r:r + 1]), (path, r)

@@ -26,8 +26,9 @@ LAYER_STEP = Path(build.__file__).with_name("layer_step.c")
 
 def make(name: str, src: str, extra: list[str]) -> ctypes.CDLL:
     out = f"/tmp/matmul_ab_{name}.so"
-    subprocess.run([build._compiler(), *FLAGS, *extra, src, str(LAYER_STEP), "-o", out, "-lm"],
-                   check=True)
+    # The kernels' headers are found beside them, wherever the variant's source lies.
+    subprocess.run([build._compiler(), *FLAGS, f"-I{LAYER_STEP.parent}", *extra, src,
+                    str(LAYER_STEP), "-o", out, "-lm"], check=True)
     return build._argtypes(ctypes.CDLL(out))
 
 

@@ -1,4 +1,5 @@
-"""Attention on the CPU, one query row at a time (sd_attention in quant_matmul.c).
+"""Attention on the CPU (sd_attention in quant_matmul.c): the rows of one sequence read its cache
+together, and each row is computed on its own.
 
 Each row's result depends only on its own query and the keys and values it may see, in sequence
 order, never on the other rows of the step: a verified draft token gets exactly the attention it

@@ -422,15 +422,16 @@ void sd_q8_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M,
     sd_parts_matmul(xq, xd, xs, M, K, &w, 1, bias, y, ldy, path);
 }
 
-/* ---- attention over the paged KV cache, one query row at a time ------------------------------
+/* ---- attention over the paged KV cache ---------------------------------------------------------
  *
  * Row r attends to the first row_prefix[r] positions of its sequence (read through its block
  * table) and then to the cache slots extra_slots[extra_ptr[r] .. extra_ptr[r + 1]) in order (the
  * tree ancestors of a verification row, and the row itself). Every row is computed on its own, in
- * a fixed order of operations, so a row's result does not depend on which rows share its step: a
- * verified draft token gets bit for bit the attention it would get when decoded alone, which
- * keeps greedy speculative output equal to plain greedy output even where the weights and
- * activations are quantized (a last-bit difference could otherwise flip an int8 rounding).
+ * a fixed order of operations (the rows of a sequence share reads of its cache, never
+ * arithmetic), so a row's result does not depend on which rows share its step: a verified draft
+ * token gets bit for bit the attention it would get when decoded alone, which keeps greedy
+ * speculative output equal to plain greedy output even where the weights and activations are
+ * quantized (a last-bit difference could otherwise flip an int8 rounding).
  *
  * q [T, Hq, D], kc/vc [slots, Hkv, D] float32, out [T, Hq, D]; D a multiple of 16, Hq / Hkv <= 16.
  */
@@ -462,6 +463,40 @@ static inline float dot_fixed(const float *a, const float *b, int64_t D) {
 #endif
 }
 
+/* s[t] = dot_fixed(a, keys[t], D) * scale for 16 keys. With AVX-512 the 16 horizontal sums are
+ * done together, transposed: the same additions in the same pairs as _mm512_reduce_add_ps
+ * (lanes l + 8, then l + 4, l + 2, l + 1), so the same bits, in 15 vector additions where one
+ * key at a time took 4 extracts or shuffles and 4 additions each. */
+static inline void dots16(const float *a, const float *const *keys, int64_t D, float scale,
+                          float *s) {
+#ifdef SD_AVX512
+    __m512 v[16];
+    const __m512 a0 = _mm512_loadu_ps(a);
+    for (int t = 0; t < 16; t++) v[t] = _mm512_mul_ps(a0, _mm512_loadu_ps(keys[t]));
+    for (int64_t d = LANES; d < D; d += LANES) {
+        const __m512 ad = _mm512_loadu_ps(a + d);
+        for (int t = 0; t < 16; t++) v[t] = _mm512_fmadd_ps(ad, _mm512_loadu_ps(keys[t] + d), v[t]);
+    }
+    __m512 b[8], c[4], e[2];
+    for (int t = 0; t < 8; t++)  /* lanes l + 8: keys 2t, 2t + 1 in the two halves */
+        b[t] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * t], v[2 * t + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * t], v[2 * t + 1], 0xEE));
+    for (int t = 0; t < 4; t++)  /* l + 4: quarter Q holds key 4t + Q */
+        c[t] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * t], b[2 * t + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * t], b[2 * t + 1], 0xDD));
+    for (int t = 0; t < 2; t++)  /* l + 2 */
+        e[t] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * t], c[2 * t + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c[2 * t], c[2 * t + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* l + 1: lane 4 Q + m holds key Q + 4 m */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_permutexvar_ps(order, r), _mm512_set1_ps(scale)));
+#else
+    for (int t = 0; t < 16; t++) s[t] = dot_fixed(a, keys[t], D) * scale;
+#endif
+}
+
 /* s[0, S) <- softmax(s), in a fixed order: the maximum and the sum over 16 lanes (lane l takes
  * elements l, l + 16, ..), the lanes then combined pairwise as in dot_fixed. */
 static void softmax_fixed(float *s, int64_t S) {
@@ -485,39 +520,116 @@ static void softmax_fixed(float *s, int64_t S) {
     for (int64_t k = 0; k < S; k++) s[k] *= inv;
 }
 
-/* o[0, D) = sum over i of p[i] * v_i, i in order, each element a chain of fused multiply-adds
- * (the first a plain product); v_i = vc + slots[i] * stride. */
-static void weighted_sum(const float *p, const int64_t *slots, int64_t S, const float *vc,
-                         int64_t stride, int64_t D, float *o) {
+/* Attention's rows come in groups: consecutive rows of one sequence, at most GROUP_ROWS of them
+ * (a verification's k + 1 rows, a chunk of a prefill). The rows of a group see the same leading
+ * positions of their sequence (up to each one's own prefix), so each key and value there is
+ * read from memory once for the whole group; read once a row, the cache cost a verified row of
+ * the 1.5b target about as much as a plain step's attention, 2.2 ms at a 1,000-token context
+ * (bench/investigations/cpu_attention_ab.py). Each row's scores, softmax and sums are computed
+ * as they are for the row alone, in the same order. */
+#define GROUP_ROWS 8
+#define SUM_JOBS 6  /* (row, head) outputs summed in one pass over the values */
+#define SUM_VECS 4  /* vectors of 16 of each output per pass */
+
+/* One (row, head) output: o[d] = sum over its S positions i, in order, of p[i] * v_i[d], each
+ * element a chain of fused multiply-adds, the first a plain product. Its positions: the
+ * sequence's first np (shared slots), then its ne extra slots. */
+typedef struct {
+    const float *p;
+    int64_t np, ne;
+    const int64_t *extra;
+    float *o;
+} sum_job;
+
+static inline const float *value_at(const sum_job *j, const int64_t *shared, int64_t i,
+                                    const float *vc, int64_t stride) {
+    return vc + (i < j->np ? shared[i] : j->extra[i - j->np]) * stride;
+}
+
 #ifdef SD_AVX512
-    for (int64_t c0 = 0; c0 < D; c0 += 8 * LANES) {  /* up to 8 vectors held in registers */
-        const int nv = (int)((D - c0 < 8 * LANES ? D - c0 : 8 * LANES) / LANES);
-        __m512 acc[8];
-        for (int c = 0; c < 8; c++) acc[c] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < S; i++) {
-            if (i + KV_AHEAD < S) prefetch_row(vc + slots[i + KV_AHEAD] * stride + c0, nv * LANES);
-            const float *v = vc + slots[i] * stride + c0;
-            const __m512 pi = _mm512_set1_ps(p[i]);
-            if (i == 0) {
-                for (int c = 0; c < nv; c++)
-                    acc[c] = _mm512_mul_ps(pi, _mm512_loadu_ps(v + c * LANES));
-            } else {
-                for (int c = 0; c < nv; c++)
-                    acc[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + c * LANES), acc[c]);
-            }
+/* Up to SUM_JOBS jobs over the columns [c0, c0 + 16 nv), their sums held in registers: one read
+ * of each shared value serves every job. */
+static void sum_pass(const sum_job *jobs, int nj, const int64_t *shared, const float *vc,
+                     int64_t stride, int64_t c0, int nv) {
+    __m512 acc[SUM_JOBS][SUM_VECS];
+#pragma GCC unroll 6
+    for (int b = 0; b < SUM_JOBS; b++)
+#pragma GCC unroll 4
+        for (int c = 0; c < SUM_VECS; c++) acc[b][c] = _mm512_setzero_ps();
+    int64_t common = INT64_MAX, most = 0;
+#pragma GCC unroll 6
+    for (int b = 0; b < SUM_JOBS; b++) {
+        if (b >= nj) break;
+        const sum_job *j = &jobs[b];
+        common = j->np < common ? j->np : common;
+        most = j->np > most ? j->np : most;
+        if (j->np + j->ne == 0) continue;
+        const float *v = value_at(j, shared, 0, vc, stride) + c0;
+        const __m512 p0 = _mm512_set1_ps(j->p[0]);
+#pragma GCC unroll 4
+        for (int c = 0; c < SUM_VECS; c++)
+            if (c < nv) acc[b][c] = _mm512_mul_ps(p0, _mm512_loadu_ps(v + c * LANES));
+    }
+    /* positions every job sees as shared: no per-job test */
+    for (int64_t i = 1; i < common; i++) {
+        if (i + KV_AHEAD < most) prefetch_row(vc + shared[i + KV_AHEAD] * stride + c0, nv * LANES);
+        const float *v = vc + shared[i] * stride + c0;
+        __m512 x[SUM_VECS];
+#pragma GCC unroll 4
+        for (int c = 0; c < SUM_VECS; c++)
+            x[c] = c < nv ? _mm512_loadu_ps(v + c * LANES) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+        for (int b = 0; b < SUM_JOBS; b++) {
+            if (b >= nj) break;
+            const __m512 pi = _mm512_set1_ps(jobs[b].p[i]);
+#pragma GCC unroll 4
+            for (int c = 0; c < SUM_VECS; c++)
+                if (c < nv) acc[b][c] = _mm512_fmadd_ps(pi, x[c], acc[b][c]);
         }
-        for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + c0 + c * LANES, acc[c]);
+    }
+    /* the rest of each job's positions: shared ones past `common`, then its extra slots */
+#pragma GCC unroll 6
+    for (int b = 0; b < SUM_JOBS; b++) {
+        if (b >= nj) break;
+        const sum_job *j = &jobs[b];
+        const int64_t S = j->np + j->ne;
+        for (int64_t i = common > 1 ? common : 1; i < S; i++) {
+            const float *v = value_at(j, shared, i, vc, stride) + c0;
+            const __m512 pi = _mm512_set1_ps(j->p[i]);
+#pragma GCC unroll 4
+            for (int c = 0; c < SUM_VECS; c++)
+                if (c < nv) acc[b][c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + c * LANES),
+                                                        acc[b][c]);
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < SUM_VECS; c++)
+            if (c < nv) _mm512_storeu_ps(j->o + c0 + c * LANES, acc[b][c]);
+    }
+}
+#endif
+
+static void weighted_sums(const sum_job *jobs, int64_t n, const int64_t *shared,
+                          const float *vc, int64_t stride, int64_t D) {
+#ifdef SD_AVX512
+    for (int64_t c0 = 0; c0 < D; c0 += SUM_VECS * LANES) {
+        const int nv = (int)((D - c0 < SUM_VECS * LANES ? D - c0 : SUM_VECS * LANES) / LANES);
+        for (int64_t b = 0; b < n; b += SUM_JOBS)
+            sum_pass(jobs + b, (int)(n - b < SUM_JOBS ? n - b : SUM_JOBS), shared, vc, stride,
+                     c0, nv);
     }
 #else
-    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-    for (int64_t i = 0; i < S; i++) {
-        if (i + KV_AHEAD < S) prefetch_row(vc + slots[i + KV_AHEAD] * stride, D);
-        const float *v = vc + slots[i] * stride;
-        const float pi = p[i];
-        if (i == 0) {
-            for (int64_t d = 0; d < D; d++) o[d] = pi * v[d];
-        } else {
-            for (int64_t d = 0; d < D; d++) o[d] = fmaf(pi, v[d], o[d]);
+    for (int64_t b = 0; b < n; b++) {
+        const sum_job *j = &jobs[b];
+        const int64_t S = j->np + j->ne;
+        for (int64_t d = 0; d < D; d++) j->o[d] = 0.0f;
+        for (int64_t i = 0; i < S; i++) {
+            const float *v = value_at(j, shared, i, vc, stride);
+            const float pi = j->p[i];
+            if (i == 0) {
+                for (int64_t d = 0; d < D; d++) j->o[d] = pi * v[d];
+            } else {
+                for (int64_t d = 0; d < D; d++) j->o[d] = fmaf(pi, v[d], j->o[d]);
+            }
         }
     }
 #endif
@@ -528,33 +640,73 @@ void sd_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                   const int32_t *row_seq, const int32_t *row_prefix, const int64_t *extra_ptr,
                   const int64_t *extra_slots, float scale, float *out) {
     const int64_t g = Hq / Hkv;
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T + 1));  /* group starts */
+    int64_t groups = 0;
+    for (int64_t r = 0; r < T; r++)
+        if (r == 0 || row_seq[r] != row_seq[r - 1] || r - first[groups - 1] == GROUP_ROWS)
+            first[groups++] = r;
+    first[groups] = T;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < T * Hkv; task++) {
-        const int64_t r = task / Hkv, h = task % Hkv;
-        const int32_t *table = block_tables + (int64_t)row_seq[r] * bt_stride;
-        const int64_t np = row_prefix[r], ne = extra_ptr[r + 1] - extra_ptr[r];
-        const int64_t S = np + ne, n = S > 0 ? S : 1;
-        /* The row's cache slots in order, then its scores, one row of S per query head. */
-        int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
-        float *s = (float *)malloc(sizeof(float) * (size_t)(n * g));
-        for (int64_t b = 0, i = 0; i < np; b++) {
+    for (int64_t task = 0; task < groups * Hkv; task++) {
+        const int64_t r0 = first[task / Hkv], R = first[task / Hkv + 1] - r0, h = task % Hkv;
+        const int32_t *table = block_tables + (int64_t)row_seq[r0] * bt_stride;
+        int64_t most = 0, scores = 0;
+        for (int64_t r = r0; r < r0 + R; r++) {
+            most = row_prefix[r] > most ? row_prefix[r] : most;
+            scores += g * (row_prefix[r] + extra_ptr[r + 1] - extra_ptr[r]);
+        }
+        /* the cache slots of the sequence's first `most` positions; each row's scores, [g][S] */
+        int64_t *shared = (int64_t *)malloc(sizeof(int64_t) * (size_t)(most > 0 ? most : 1));
+        float *s = (float *)malloc(sizeof(float) * (size_t)(scores > 0 ? scores : 1));
+        sum_job jobs[GROUP_ROWS * 16];
+        for (int64_t b = 0, i = 0; i < most; b++) {
             const int64_t base = (int64_t)table[b] * bs;
-            for (int64_t t = 0; t < bs && i < np; t++, i++) slots[i] = base + t;
+            for (int64_t t = 0; t < bs && i < most; t++, i++) shared[i] = base + t;
         }
-        for (int64_t e = 0; e < ne; e++) slots[np + e] = extra_slots[extra_ptr[r] + e];
-        const float *qh = q + (r * Hq + h * g) * D;
-        for (int64_t i = 0; i < S; i++) {
-            /* Keys sit in blocks scattered over the cache, mostly out of every cache level: ask
-             * for the row KV_AHEAD keys on before it is needed. */
-            if (i + KV_AHEAD < S) prefetch_row(kc + (slots[i + KV_AHEAD] * Hkv + h) * D, D);
-            const float *kp = kc + (slots[i] * Hkv + h) * D;
-            for (int64_t j = 0; j < g; j++) s[j * S + i] = dot_fixed(qh + j * D, kp, D) * scale;
+        float *sr = s;
+        for (int64_t r = r0; r < r0 + R; r++) {
+            const int64_t np = row_prefix[r], ne = extra_ptr[r + 1] - extra_ptr[r];
+            for (int64_t j = 0; j < g; j++)
+                jobs[(r - r0) * g + j] = (sum_job){sr + j * (np + ne), np, ne,
+                                                   extra_slots + extra_ptr[r],
+                                                   out + (r * Hq + h * g + j) * D};
+            sr += g * (np + ne);
         }
-        for (int64_t j = 0; j < g; j++) softmax_fixed(s + j * S, S);
-        float *o = out + (r * Hq + h * g) * D;
-        for (int64_t j = 0; j < g; j++)
-            weighted_sum(s + j * S, slots, S, vc + h * D, Hkv * D, D, o + j * D);
+        /* Keys sit in blocks scattered over the cache, mostly out of every cache level: each
+         * run of 16 asks for the next 16 before it is used. */
+        for (int64_t i = 0; i < most; i += 16) {
+            const int64_t n = most - i < 16 ? most - i : 16;
+            for (int64_t t = 0; i + 16 + t < most && t < 16; t++)
+                prefetch_row(kc + (shared[i + 16 + t] * Hkv + h) * D, D);
+            const float *kp[16];
+            for (int64_t t = 0; t < n; t++) kp[t] = kc + (shared[i + t] * Hkv + h) * D;
+            for (int64_t r = r0; r < r0 + R; r++) {
+                const sum_job *row = &jobs[(r - r0) * g];
+                const float *qh = q + (r * Hq + h * g) * D;
+                const int64_t seen = row->np - i < n ? row->np - i : n;
+                for (int64_t j = 0; j < g; j++) {
+                    float *sj = (float *)row[j].p + i;
+                    if (seen == 16)
+                        dots16(qh + j * D, kp, D, scale, sj);
+                    else
+                        for (int64_t t = 0; t < seen; t++)
+                            sj[t] = dot_fixed(qh + j * D, kp[t], D) * scale;
+                }
+            }
+        }
+        for (int64_t r = r0; r < r0 + R; r++) {
+            const sum_job *row = &jobs[(r - r0) * g];
+            const float *qh = q + (r * Hq + h * g) * D;
+            for (int64_t e = 0; e < row->ne; e++) {
+                const float *kp = kc + (row->extra[e] * Hkv + h) * D;
+                for (int64_t j = 0; j < g; j++)
+                    ((float *)row[j].p)[row->np + e] = dot_fixed(qh + j * D, kp, D) * scale;
+            }
+            for (int64_t j = 0; j < g; j++) softmax_fixed((float *)row[j].p, row->np + row->ne);
+        }
+        weighted_sums(jobs, R * g, shared, vc + h * D, Hkv * D, D);
         free(s);
-        free(slots);
+        free(shared);
     }
+    free(first);
 }
