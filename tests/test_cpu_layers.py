@@ -34,7 +34,7 @@ def _model(arch: str, gen: torch.Generator) -> LlamaForCausalLM:
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
     for i, layer in enumerate(model.model.layers):
         at, mlp = layer.self_attn, layer.mlp
-        kind = "q4" if i % 2 == 0 else "q8"
+        kind = ("q4", "q5")[i % 2]  # and q8 for the o and down projections
 
         def quant(rows_list: list[int], k: int, bias: torch.Tensor | None = None,
                   kind: str = kind) -> QuantLinear:
@@ -43,9 +43,9 @@ def _model(arch: str, gen: torch.Generator) -> LlamaForCausalLM:
 
         qkv_bias = at.qkv_proj.bias.detach().clone() if at.qkv_proj.bias is not None else None
         at.qkv_proj = quant([at.q_size, at.kv_size, at.kv_size], 128, qkv_bias)
-        at.o_proj = quant([128], at.q_size)
+        at.o_proj = quant([128], at.q_size, kind="q8")
         mlp.gate_up_proj = quant([192, 192], 128)
-        mlp.down_proj = quant([128], 192)
+        mlp.down_proj = quant([128], 192, kind="q8")
     return model
 
 

@@ -29,7 +29,7 @@ PATHS = available_paths()
 def test_pack_round_trips_values_scales_and_rows(shape: tuple[int, int]) -> None:
     n, k = shape
     gen = torch.Generator().manual_seed(n * k)
-    for kind, lo, hi in (("q4", 0, 16), ("q8", -128, 128)):
+    for kind, lo, hi in (("q4", 0, 16), ("q5", 0, 32), ("q8", -128, 128)):
         q = torch.randint(lo, hi, (n, k), generator=gen)
         d = torch.rand(n, k // 32, generator=gen).half().float()
         w = QuantWeight.pack(kind, q, d, -d)
@@ -45,7 +45,7 @@ def test_every_path_is_available_or_explained() -> None:
     assert "portable" in PATHS  # a C compiler is part of the install
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("shape", [(40, 128), (67, 896), (33, 576), (16, 1536)])
 def test_quant_matmul_matches_reference_on_every_path(kind: str, affine: bool,
@@ -75,11 +75,13 @@ def test_quant_matmul_matches_reference_on_every_path(kind: str, affine: bool,
 def test_quant_linear_parts_with_padding_keep_their_columns() -> None:
     gen = torch.Generator().manual_seed(0)
     a, b = QuantWeight.random("q4", 40, 256, gen), QuantWeight.random("q8", 24, 256, gen)
-    bias = torch.randn(64, generator=gen)
+    c = QuantWeight.random("q5", 8, 256, gen)
+    bias = torch.randn(72, generator=gen)
     x = torch.randn(3, 256, generator=gen)
-    want = torch.cat([quant_matmul_ref(x, a)[:, :40], quant_matmul_ref(x, b)[:, :24]], 1) + bias
-    got = QuantLinear([a, b], bias)(x)
-    assert got.shape == (3, 64)
+    want = torch.cat([quant_matmul_ref(x, a)[:, :40], quant_matmul_ref(x, b)[:, :24],
+                      quant_matmul_ref(x, c)[:, :8]], 1) + bias
+    got = QuantLinear([a, b, c], bias)(x)
+    assert got.shape == (3, 72)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 

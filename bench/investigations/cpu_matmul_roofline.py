@@ -31,6 +31,7 @@ from cpu_decode import machine_info
 
 from specdec.cpu_kernels import build
 from specdec.models.gguf_weights import DIRECT
+from specdec.models.quant_linear import BITS
 
 READ_C = r"""
 #include <immintrin.h>
@@ -77,7 +78,7 @@ def stack(gguf: Path, quantization: str, vocab: int | None) -> list[tuple[int, i
 
     def kind(qtype: str) -> int:
         q = {"int4": "q4", "int8": "q8"}.get(quantization, DIRECT.get(qtype, "q8"))
-        return 4 if q == "q4" else 8
+        return BITS[q]
 
     out = []
     for i in sorted(layers):
@@ -93,11 +94,11 @@ def stack(gguf: Path, quantization: str, vocab: int | None) -> list[tuple[int, i
 def weights(shapes: list[tuple[int, int, int]], gen: torch.Generator) -> list[tuple]:
     ws = []
     for kind, n, k in shapes:
-        units, ub = (n // 16) * (k // 32), 256 if kind == 4 else 512
-        qs = torch.randint(0, 256 if kind == 4 else 127, (units * ub,), dtype=torch.uint8,
+        units, ub = (n // 16) * (k // 32), {4: 256, 5: 320, 8: 512}[kind]
+        qs = torch.randint(0, 256 if kind != 8 else 127, (units * ub,), dtype=torch.uint8,
                            generator=gen)
         d = (torch.rand(units * 16, generator=gen) * 0.01).half()
-        ws.append((kind, n, k, qs, d, d if kind == 4 else None))
+        ws.append((kind, n, k, qs, d, d if kind != 8 else None))
     return ws
 
 
@@ -148,7 +149,7 @@ def main() -> None:
     def run(ws: list[tuple], r: int) -> None:
         xq, xd, xsum, y = xs[r]
         for kind, n, k, qs, d, mn in ws:
-            fn = lib.sd_q4_matmul if kind == 4 else lib.sd_q8_matmul
+            fn = getattr(lib, f"sd_q{kind}_matmul")
             fn(xq.data_ptr(), xd.data_ptr(), xsum.data_ptr(), r, k, qs.data_ptr(), d.data_ptr(),
                mn.data_ptr() if mn is not None else None, None, n, y.data_ptr(), n, path)
 

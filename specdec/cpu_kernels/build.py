@@ -72,7 +72,7 @@ def _argtypes(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sd_quantize_rows.argtypes = [p, i64, i64, p, p, p]
     lib.sd_quantize_rows.restype = None
-    for name in ("sd_q4_matmul", "sd_q8_matmul"):
+    for name in ("sd_q4_matmul", "sd_q5_matmul", "sd_q8_matmul"):
         fn = getattr(lib, name)
         fn.argtypes = [p, p, p, i64, i64, p, p, p, p, i64, p, i64, ctypes.c_int]
         fn.restype = None

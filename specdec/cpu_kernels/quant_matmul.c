@@ -2,7 +2,7 @@
  *
  * W is stored in groups of 32 along K, each group with an fp16 scale d and an optional fp16
  * offset mn, w = d * q + mn (the GGUF block types map onto this exactly: Q4_0, Q4_1, Q4_K give
- * 4-bit q, Q5_0, Q5_1, Q8_0 give 8-bit q; see specdec/models/gguf_weights.py).
+ * 4-bit q, Q5_0, Q5_1 5-bit q, Q8_0 8-bit q; see specdec/models/gguf_weights.py).
  *
  * Layout: "units" of 16 rows x one group (32 values), [N/16][K/32] units in row-block order.
  * A unit is what one AMX B tile holds (8 rows of 64 bytes, VNNI order): tile row r holds
@@ -10,6 +10,10 @@
  *   q8: qs [N/16][K/32][512] int8, the 8 tile rows in order.
  *   q4: qs [N/16][K/32][256] uint8, tile rows 2j and 2j + 1 in the low and high nibbles of
  *       bytes 64 j .. 64 j + 63.
+ *   q5: qs [N/16][K/32][320] uint8, the values' low 4 bits as q4 holds them, then their fifth
+ *       bits: tile row r's 64 (bit c for byte c of the row) as the little-endian uint64 at
+ *       256 + 8 r. 5 bits a weight where q8 took 8 (a 0.5b draft model's Q5_0 layers read 35%
+ *       fewer bytes).
  *   d, mn: [N/16][K/32][16] fp16 bits, one per weight row of the unit; mn may be NULL.
  * With AVX-512 one vpdpbusd multiplies a tile row by 4 activation bytes broadcast to every lane,
  * so each of the 16 lanes sums one weight row: no horizontal reduction anywhere. With AMX
@@ -110,11 +114,16 @@ void sd_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *x
     }
 }
 
+/* Bytes of one unit of `kind` (4, 5 or 8 bits a value). */
+static inline int64_t unit_bytes(int64_t kind) { return kind == 4 ? 256 : kind == 5 ? 320 : 512; }
+
 /* The value of weight row i (0..15), column k (0..31) of a unit. */
 static inline int unit_value(int kind, const void *unit, int i, int k) {
     const int r = k / 4, c = 4 * i + k % 4;
+    const uint8_t *u = (const uint8_t *)unit;
     if (kind == 8) return ((const int8_t *)unit)[r * 64 + c];
-    return (((const uint8_t *)unit)[(r / 2) * 64 + c] >> (4 * (r % 2))) & 0xf;
+    const int low = (u[(r / 2) * 64 + c] >> (4 * (r % 2))) & 0xf;
+    return kind == 5 ? low | ((u[256 + 8 * r + c / 8] >> (c % 8)) & 1) << 4 : low;
 }
 
 /* Every path computes, per output (m, n), in group order g = 0, 1, ...:
@@ -125,7 +134,7 @@ static void block_portable(int kind, const int8_t *xq, const float *xd, const fl
                            int64_t M, int64_t K, const void *qs, const uint16_t *d,
                            const uint16_t *mn, const float *bias, int64_t nb, float *y,
                            int64_t ldy) {
-    const int64_t G = K / GROUP, ub = kind == 4 ? 256 : 512;
+    const int64_t G = K / GROUP, ub = unit_bytes(kind);
     for (int64_t m = 0; m < M; m++) {
         float acc[UNIT_ROWS] = {0};
         for (int64_t g = 0; g < G; g++) {
@@ -167,7 +176,18 @@ int sd_amx_enable(void) { return 0; }
 #endif
 #define MB_MAX 8
 
-/* The unit's 8 tile rows as 64 bytes each (q4: nibbles spread to bytes). */
+/* q5: 16 added to each byte of the 8 tile rows whose fifth bit is set. */
+static inline void add_fifth_bits(const void *unit, __m512i w[8]) {
+    const uint8_t *bits = (const uint8_t *)unit + 256;
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    for (int r = 0; r < 8; r++) {
+        uint64_t m;
+        memcpy(&m, bits + 8 * r, 8);
+        w[r] = _mm512_mask_add_epi8(w[r], (__mmask64)m, w[r], sixteen);
+    }
+}
+
+/* The unit's 8 tile rows as 64 bytes each (q4, q5: nibbles spread to bytes). */
 static inline void unit_rows(int kind, const void *unit, __m512i w[8]) {
     if (kind == 8) {
         for (int r = 0; r < 8; r++) w[r] = _mm512_loadu_si512((const uint8_t *)unit + 64 * r);
@@ -179,6 +199,7 @@ static inline void unit_rows(int kind, const void *unit, __m512i w[8]) {
         w[2 * j] = _mm512_and_si512(v, nib);
         w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
     }
+    if (kind == 5) add_fifth_bits(unit, w);
 }
 
 static inline void prefetch_unit(const uint8_t *unit, int64_t bytes) {
@@ -208,11 +229,12 @@ static inline void store_rows(const __m512 *fa, int MB, const float *bias, int64
 /* AVX-512: M activation rows against one 16-row block, MB_MAX rows per pass over the block's
  * units. q8 takes the activations offset to unsigned (xa = x + 128, see matmul): vpdpbusd
  * multiplies unsigned by signed bytes, and 128 * (each weight row's sum), the same for every
- * row, comes off once per unit. q4 takes the signed activations against its unsigned nibbles. */
+ * row, comes off once per unit. q4 and q5 take the signed activations against their unsigned
+ * values. */
 static void block_avx(int kind, const int8_t *xa, const float *xd, const float *xs, int64_t M,
                       int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
                       const float *bias, int64_t nb, float *y, int64_t ldy) {
-    const int64_t G = K / GROUP, ub = kind == 4 ? 256 : 512;
+    const int64_t G = K / GROUP, ub = unit_bytes(kind);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
         const int MB = M - m0 < MB_MAX ? (int)(M - m0) : MB_MAX;
@@ -234,7 +256,7 @@ static void block_avx(int kind, const int8_t *xa, const float *xd, const float *
                 __m512i acc = _mm512_setzero_si512();
                 for (int r = 0; r < 8; r++) {
                     const __m512i x = _mm512_set1_epi32(*(const int32_t *)(a + 4 * r));
-                    acc = kind == 4 ? _mm512_dpbusd_epi32(acc, w[r], x)
+                    acc = kind != 8 ? _mm512_dpbusd_epi32(acc, w[r], x)
                                     : _mm512_dpbusd_epi32(acc, x, w[r]);
                 }
                 if (kind == 8) acc = _mm512_sub_epi32(acc, corr);
@@ -286,8 +308,7 @@ __attribute__((target("amx-tile,amx-int8")))
 static void block_amx(int kind, const int8_t *xq, const float *xd, const float *xs, int64_t M,
                       int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
                       const float *bias, int64_t nb, float *y, int64_t ldy) {
-    const int64_t G = K / GROUP, ub = kind == 4 ? 256 : 512;
-    const __m512i nib = _mm512_set1_epi8(0x0f);
+    const int64_t G = K / GROUP, ub = unit_bytes(kind);
     uint8_t bt[512] __attribute__((aligned(64)));
     int32_t cbuf[16 * 16] __attribute__((aligned(64)));
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
@@ -301,13 +322,10 @@ static void block_amx(int kind, const int8_t *xq, const float *xd, const float *
             prefetch_unit(unit, ub);
             _tile_zero(0);
             _tile_loadd(1, xq + m0 * K + g * GROUP, K);
-            if (kind == 4) {
-                for (int j = 0; j < 4; j++) {
-                    const __m512i v = _mm512_loadu_si512(unit + 64 * j);
-                    _mm512_store_si512(bt + 128 * j, _mm512_and_si512(v, nib));
-                    _mm512_store_si512(bt + 128 * j + 64,
-                                       _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-                }
+            if (kind != 8) {
+                __m512i w[8];
+                unit_rows(kind, unit, w);
+                for (int r = 0; r < 8; r++) _mm512_store_si512(bt + 64 * r, w[r]);
                 _tile_loadd(2, bt, 64);
                 _tile_dpbsud(0, 1, 2);
             } else {
@@ -347,7 +365,7 @@ static int offset_q8(int kind, int path, int amx) { return kind == 8 && path != 
 /* The bytes of one row block of a part (its units, scales and offsets): what a thread streams. */
 static int64_t block_bytes(const sd_part *w, int64_t K) {
     const int64_t G = K / GROUP;
-    return G * ((w->kind == 4 ? 256 : 512) + 2 * UNIT_ROWS * (w->mn ? 2 : 1));
+    return G * (unit_bytes(w->kind) + 2 * UNIT_ROWS * (w->mn ? 2 : 1));
 }
 
 /* y[M, sum of the parts' n] = x @ [W_0; W_1; ..]^T (+ bias): the parts side by side along the
@@ -419,6 +437,13 @@ void sd_q8_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M,
                   const int8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
                   int64_t N, float *y, int64_t ldy, int path) {
     const sd_part w = {8, N, N, qs, d, mn};
+    sd_parts_matmul(xq, xd, xs, M, K, &w, 1, bias, y, ldy, path);
+}
+
+void sd_q5_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
+                  const uint8_t *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
+                  int64_t N, float *y, int64_t ldy, int path) {
+    const sd_part w = {5, N, N, qs, d, mn};
     sd_parts_matmul(xq, xd, xs, M, K, &w, 1, bias, y, ldy, path);
 }
 

@@ -8,7 +8,7 @@
 
 /* One quantized weight: n output rows (padded to 16; `rows` of them real) over k inputs. */
 typedef struct {
-    int64_t kind, n, rows;  /* kind 4 or 8 */
+    int64_t kind, n, rows;  /* kind 4, 5 or 8 (bits a value) */
     const void *qs;
     const uint16_t *d, *mn;  /* mn may be NULL */
 } sd_part;

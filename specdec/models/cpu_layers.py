@@ -20,7 +20,7 @@ import torch
 
 from specdec.attention_metadata import AttentionMetadata
 from specdec.cpu_kernels.attention import RowsView
-from specdec.models.quant_linear import QuantLinear
+from specdec.models.quant_linear import BITS, QuantLinear
 
 MAX_PARTS = 3
 P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -60,7 +60,7 @@ def _linear(m: Any) -> _Linear | None:
         return None
     out = _Linear(len(m.parts), m.in_features, m.width)
     for i, p in enumerate(m.parts):
-        out.parts[i] = _Part(4 if p.kind == "q4" else 8, p.n, p.rows, p.qs.data_ptr(),
+        out.parts[i] = _Part(BITS[p.kind], p.n, p.rows, p.qs.data_ptr(),
                              p.d.data_ptr(), _ptr(p.mn))
     out.bias = _ptr(m.bias)
     return out

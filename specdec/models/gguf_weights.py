@@ -4,7 +4,8 @@ Block types map onto `QuantWeight` (w = d * q + mn per group of 32) as follows:
 
 - Q4_0, Q4_1, Q4_K -> q4: the file's 4-bit values; d and mn per 32 from the block (Q4_K:
   d * sc and -dmin * m).
-- Q5_0, Q5_1, Q8_0 -> q8: the file's 5- or 8-bit values and scales.
+- Q5_0, Q5_1 -> q5: the file's 5-bit values and scales (Q5_0's offset as mn = -16 d).
+- Q8_0 -> q8: the file's 8-bit values and scales.
 - anything else (Q6_K, Q5_K, Q2_K, Q3_K, F16, BF16, F32, ...) -> q8: dequantized, then
   requantized symmetric, d = absmax / 127 per 32.
 
@@ -71,8 +72,7 @@ def _decode_blocks(qtype: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray,
                 _f16(raw[:, 2:4].reshape(-1, 1, 2)))
     if qtype == "Q5_0":
         d = _f16(raw[:, 0:2].reshape(-1, 1, 2))
-        q = _nibbles16(raw[:, 6:22]) | (_high_bits(raw[:, 2:6]) << 4)
-        return q.astype(np.int16) - 16, d, None
+        return _nibbles16(raw[:, 6:22]) | (_high_bits(raw[:, 2:6]) << 4), d, -16.0 * d
     if qtype == "Q5_1":
         q = _nibbles16(raw[:, 8:24]) | (_high_bits(raw[:, 4:8]) << 4)
         return q, _f16(raw[:, 0:2].reshape(-1, 1, 2)), _f16(raw[:, 2:4].reshape(-1, 1, 2))
@@ -89,7 +89,7 @@ def _decode_blocks(qtype: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     raise KeyError(qtype)
 
 
-DIRECT = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q5_0": "q8", "Q5_1": "q8", "Q8_0": "q8"}
+DIRECT = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q5_0": "q5", "Q5_1": "q5", "Q8_0": "q8"}
 
 
 def _requantize(w: torch.Tensor, kind: str) -> QuantWeight:
@@ -164,7 +164,7 @@ class GGUFTensor:
 
         n, k = raw.shape[0], self.shape[1]
         direct = DIRECT.get(self.qtype)
-        if direct is not None and (direct == kind or kind == "q8"):  # 4-bit values fit q8
+        if direct is not None and (direct == kind or kind == "q8"):  # 4-5 bit values fit q8
             blocks = raw.reshape(n * (k // (256 if self.qtype == "Q4_K" else GROUP)), -1)
             q, d, mn = _decode_blocks(self.qtype, np.array(blocks))
             return QuantWeight.pack(

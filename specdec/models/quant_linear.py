@@ -1,9 +1,10 @@
 """Weight-only quantized linear layers and embeddings for the CPU.
 
 A weight [N, K] is held in groups of 32 along K: integer values q, an fp16 scale d and an
-optional fp16 offset mn per group, w = d * q + mn (`QuantWeight`). Two kinds: "q4" (4-bit q,
-two per byte; what Q4_0, Q4_1 and Q4_K hold) and "q8" (int8 q; Q5_0, Q5_1 and Q8_0 exactly, other
-types requantized). specdec/cpu_kernels/quant_matmul.c multiplies by it without expanding it:
+optional fp16 offset mn per group, w = d * q + mn (`QuantWeight`). Three kinds: "q4" (4-bit q,
+two per byte; what Q4_0, Q4_1 and Q4_K hold), "q5" (5-bit q: the low 4 bits as q4 holds them
+and a plane of fifth bits; Q5_0 and Q5_1) and "q8" (int8 q; Q8_0 exactly, other types
+requantized). specdec/cpu_kernels/quant_matmul.c multiplies by it without expanding it:
 activations are quantized to int8 per group of 32 and the dot products run on integers. A layer
 whose weight came in parts of different kinds (a GGUF's q, k and v may differ) holds one
 QuantWeight per part and writes each part's columns of the output.
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 GROUP = 32
-KINDS = ("q4", "q8")
+KINDS = ("q4", "q5", "q8")
+BITS = {"q4": 4, "q5": 5, "q8": 8}  # the kernels' name for a kind
 
 
 UNIT = 16  # weight rows per unit (see quant_matmul.c)
@@ -28,8 +30,9 @@ UNIT = 16  # weight rows per unit (see quant_matmul.c)
 
 @dataclass
 class QuantWeight:
-    kind: str  # "q4" | "q8"
-    qs: torch.Tensor  # q4: [N/16, K/32, 256] uint8, q8: [N/16, K/32, 512] int8 (units)
+    kind: str  # "q4" | "q5" | "q8"
+    # units: q4 [N/16, K/32, 256] uint8, q5 [N/16, K/32, 320] uint8, q8 [N/16, K/32, 512] int8
+    qs: torch.Tensor
     d: torch.Tensor  # [N/16, K/32, 16] float16
     mn: torch.Tensor | None  # [N/16, K/32, 16] float16, or None: symmetric
     n: int  # rows stored, a multiple of 16 (pack pads with zero rows)
@@ -43,7 +46,8 @@ class QuantWeight:
     @staticmethod
     def pack(kind: str, q: torch.Tensor, d: torch.Tensor, mn: torch.Tensor | None
              ) -> QuantWeight:
-        """From integer values q [N, K] (0..15 for q4, -128..127 for q8) and float scales and
+        """From integer values q [N, K] (0..15 for q4, 0..31 for q5, -128..127 for q8) and float
+        scales and
         offsets [N, K/32]. Rows are padded with zeros up to a multiple of 16."""
         n, k = q.shape
         if kind not in KINDS:
@@ -58,9 +62,13 @@ class QuantWeight:
         nb, g = (n + pad) // UNIT, k // GROUP
         # [NB, 16 rows i, G, 8 tile rows r, 4] -> [NB, G, r, i, 4]: tile row r holds k = 4r..4r+3
         t = q.reshape(nb, UNIT, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(nb, g, 8, 64)
-        if kind == "q4":
+        if kind != "q8":
             t = t.to(torch.uint8)
-            qs = (t[:, :, 0::2] | (t[:, :, 1::2] << 4)).reshape(nb, g, 256)
+            low = t & 0xF
+            qs = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(nb, g, 256)
+            if kind == "q5":  # tile row r's fifth bits: bit c of the uint64 at 256 + 8 r
+                bits = ((t >> 4) & 1).view(nb, g, 8, 8, 8) << torch.arange(8, dtype=torch.uint8)
+                qs = torch.cat([qs, bits.sum(-1, dtype=torch.uint8).view(nb, g, 64)], -1)
         else:
             qs = t.to(torch.int8).reshape(nb, g, 512)
 
@@ -75,8 +83,12 @@ class QuantWeight:
         if self.kind == "q8":
             t = self.qs.view(nb, g, 8, 64).to(torch.int16)
         else:
-            b = self.qs.view(nb, g, 4, 1, 64)
+            b = self.qs[..., :256].reshape(nb, g, 4, 1, 64)
             t = torch.cat([b & 0xF, b >> 4], dim=3).view(nb, g, 8, 64).to(torch.int16)
+            if self.kind == "q5":
+                bits = self.qs[..., 256:].reshape(nb, g, 8, 8, 1).to(torch.int16)
+                t = t | (((bits >> torch.arange(8, dtype=torch.int16)) & 1) << 4).view(
+                    nb, g, 8, 64)
         return t.view(nb, g, 8, UNIT, 4).permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([N, G], [N, G] | None)
@@ -109,7 +121,7 @@ class QuantWeight:
     @staticmethod
     def random(kind: str, n: int, k: int, gen: torch.Generator, affine: bool = True
                ) -> QuantWeight:
-        lo, hi = (0, 16) if kind == "q4" else (-127, 128)
+        lo, hi = {"q4": (0, 16), "q5": (0, 32)}.get(kind, (-127, 128))
         q = torch.randint(lo, hi, (n, k), generator=gen)
         d = torch.rand(n, k // GROUP, generator=gen) * 0.02 + 1e-3
         mn = -d * 8 + torch.randn(n, k // GROUP, generator=gen) * 1e-3 if affine else None
@@ -184,7 +196,7 @@ class QuantActivations:
     def matmul(self, w: QuantWeight, bias: torch.Tensor | None, out: torch.Tensor,
                col: int) -> None:
         """out[:, col:col + w.n] = x @ w^T (+ bias); out [M, >= col + w.n] float32."""
-        fn = self.lib.sd_q4_matmul if w.kind == "q4" else self.lib.sd_q8_matmul
+        fn = getattr(self.lib, f"sd_q{BITS[w.kind]}_matmul")
         fn(self.xq.data_ptr(), self.xd.data_ptr(), self.xs.data_ptr(), self.m, self.k,
            w.qs.data_ptr(), w.d.data_ptr(), _ptr(w.mn), _ptr(bias), w.n,
            ctypes.c_void_p(out.data_ptr() + 4 * col), out.shape[1], self.code)
@@ -250,13 +262,19 @@ class QuantEmbedding(nn.Module):
 def embed_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
     """Dequantize only the rows `ids` [R] of w -> [R, K] float32."""
     blk, i = ids // UNIT, ids % UNIT  # unit row block and row within it
-    g = w.k // GROUP
+    g, rows = w.k // GROUP, torch.arange(len(ids))
     if w.kind == "q8":
-        t = w.qs[blk].view(-1, g, 8, UNIT, 4)[torch.arange(len(ids)), :, :, i]  # [R, G, 8, 4]
+        t = w.qs[blk].view(-1, g, 8, UNIT, 4)[rows, :, :, i]  # [R, G, 8, 4]
         q = t.to(torch.float32)
     else:
-        b = w.qs[blk].view(-1, g, 4, UNIT, 4)[torch.arange(len(ids)), :, :, i]  # [R, G, 4, 4]
+        units = w.qs[blk]
+        b = units[..., :256].reshape(-1, g, 4, UNIT, 4)[rows, :, :, i]  # [R, G, 4, 4]
         q = torch.stack([b & 0xF, b >> 4], dim=3).to(torch.float32)  # [R, G, 4, 2, 4]
+        if w.kind == "q5":  # row i's bits: byte i // 2 of each tile row, bits 4 (i % 2) + 0..3
+            byte = units[..., 256:].reshape(-1, g, 8, 8)[rows, :, :, i // 2]  # [R, G, 8]
+            shift = (4 * (i % 2))[:, None, None, None] + torch.arange(4)
+            fifth = (byte[..., None].to(torch.int32) >> shift) & 1  # [R, G, 8, 4]
+            q = q + 16 * fifth.view(len(ids), g, 4, 2, 4).to(torch.float32)
     q = q.reshape(len(ids), g, GROUP)
     out = q * w.d[blk, :, i].float()[..., None]
     if w.mn is not None:
