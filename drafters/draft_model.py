@@ -218,7 +218,12 @@ class DraftModelDrafter(Drafter):
 
 DRAFT_QUANTIZATION = "int4"
 DRAFT_VOCAB = 32768
-DRAFT_CONTEXT = 256  # bench/results/cpu_draft_context_20261203.json
+# The first read of a sequence is the draft model's one large cost, paid before any of its
+# drafts are judged: at 256 tokens 0.49 s on the 2-core CPU, 12% of a ShareGPT request that
+# then drafted nothing (prompt 4 at 0.85x of plain, bench/results/
+# cpu_vs_llamacpp_20261207_attn_sharegpt.json). Reading 128 drafted as well as 256-512 did
+# (tau 3.43 on HumanEval, 2.78 on ShareGPT: bench/results/cpu_draft_context_20261203.json).
+DRAFT_CONTEXT = 128
 # Chains cut before the draft's top probability falls under 0.5: with the CPU pair at fixed
 # depth, within 4% of the best threshold at k = 2, 4, 6 on HumanEval and ShareGPT (within 2% at
 # k = 4), against 6-8% (k = 4) to 27% (k = 6, ShareGPT) less without a cut (priced from
