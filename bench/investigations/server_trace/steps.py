@@ -46,19 +46,21 @@ def main() -> None:
               f"{sum(s['target'] for s in xs) / 1e3:.2f} s, draft "
               f"{sum(sum(s['draft']) for s in xs) / 1e3:.2f} s "
               f"({sum(len(s['draft']) for s in xs)} passes), prompt reads "
-              f"{[round(m) for s in xs for m in s['big']]} ms, depths {dict(sorted(depths.items()))}")
+              f"{[round(m) for s in xs for m in s['big']]} ms, "
+              f"depths {dict(sorted(depths.items()))}")
     print("by depth (medians, ms; steps without a prompt read):")
     for d in sorted({s["depth"] for s in steps}):
         xs = [s for s in steps if s["depth"] == d and not s["big"]]
         if not xs:
             continue
 
-        def med(key):
-            return statistics.median(key(s) for s in xs)
-
-        print(f"  depth {d}: {len(xs)} steps, wall {med(lambda s: s['wall']):.1f}, target "
-              f"{med(lambda s: s['target']):.1f}, draft {med(lambda s: sum(s['draft'])):.1f} "
-              f"({med(lambda s: len(s['draft'])):.0f} passes), other {med(lambda s: s['other']):.1f}")
+        med = {k: statistics.median(f(s) for s in xs) for k, f in (
+            ("wall", lambda s: s["wall"]), ("target", lambda s: s["target"]),
+            ("draft", lambda s: sum(s["draft"])), ("passes", lambda s: len(s["draft"])),
+            ("other", lambda s: s["other"]))}
+        print(f"  depth {d}: {len(xs)} steps, wall {med['wall']:.1f}, target "
+              f"{med['target']:.1f}, draft {med['draft']:.1f} ({med['passes']:.0f} passes), "
+              f"other {med['other']:.1f}")
 
 
 if __name__ == "__main__":
