@@ -47,6 +47,17 @@ def picked_texts(dataset: str, picks: str) -> tuple[list[int], list[str]]:
     return idx, (humaneval_texts if dataset == "humaneval" else sharegpt_texts)(max(idx) + 1)
 
 
+def inprocess_args(ap: Any, dataset: str = "humaneval", prompts: str = "0,1,2,3,4,5") -> None:
+    """The options of an in-process comparison (bench/investigations): the target, which
+    prompts of which dataset, rounds, tokens a request and the output file."""
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--dataset", default=dataset, choices=["humaneval", "sharegpt"])
+    ap.add_argument("--prompts", default=prompts, help="indices into the dataset's prompts")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--out")
+
+
 def encode_code(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Raw completion prompts: the text as it is, no special tokens."""
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]

@@ -19,16 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--dataset", default="humaneval", choices=["humaneval", "sharegpt"])
-    ap.add_argument("--prompts", default="0,1,2,3,4,5")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--out")
-    a = ap.parse_args()
+    from prompts import inprocess_args, picked_texts
 
-    from prompts import picked_texts
+    ap = argparse.ArgumentParser()
+    inprocess_args(ap)
+    a = ap.parse_args()
 
     import drafters.draft_model as dm
     from specdec import LLM, SamplingParams
