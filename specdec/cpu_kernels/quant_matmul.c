@@ -12,8 +12,8 @@
  *       bytes 64 j .. 64 j + 63.
  *   q5: qs [N/16][K/32][320] uint8, the values' low 4 bits as q4 holds them, then their fifth
  *       bits: tile row r's 64 (bit c for byte c of the row) as the little-endian uint64 at
- *       256 + 8 r. 5 bits a weight where q8 took 8 (a 0.5b draft model's Q5_0 layers read 35%
- *       fewer bytes).
+ *       256 + 8 r. 6 bits a weight with d and mn where q8 took 8.5: a Q5_0 layer reads 29%
+ *       fewer bytes.
  *   d, mn: [N/16][K/32][16] fp16 bits, one per weight row of the unit; mn may be NULL.
  * With AVX-512 one vpdpbusd multiplies a tile row by 4 activation bytes broadcast to every lane,
  * so each of the 16 lanes sums one weight row: no horizontal reduction anywhere. With AMX
@@ -462,7 +462,7 @@ void sd_q5_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t M,
  */
 #define LANES 16
 
-#define KV_AHEAD 16  /* keys or values prefetched ahead of use */
+#define KV_AHEAD 16  /* values prefetched ahead of use (keys: the next run of 16, dots16) */
 
 static inline void prefetch_row(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
@@ -560,7 +560,7 @@ static void softmax_fixed(float *s, int64_t S) {
  * element a chain of fused multiply-adds, the first a plain product. Its positions: the
  * sequence's first np (shared slots), then its ne extra slots. */
 typedef struct {
-    const float *p;
+    float *p;  /* its scores, then probabilities (the task's scratch) */
     int64_t np, ne;
     const int64_t *extra;
     float *o;
@@ -710,7 +710,7 @@ void sd_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                 const float *qh = q + (r * Hq + h * g) * D;
                 const int64_t seen = row->np - i < n ? row->np - i : n;
                 for (int64_t j = 0; j < g; j++) {
-                    float *sj = (float *)row[j].p + i;
+                    float *sj = row[j].p + i;
                     if (seen == 16)
                         dots16(qh + j * D, kp, D, scale, sj);
                     else
@@ -725,9 +725,9 @@ void sd_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
             for (int64_t e = 0; e < row->ne; e++) {
                 const float *kp = kc + (row->extra[e] * Hkv + h) * D;
                 for (int64_t j = 0; j < g; j++)
-                    ((float *)row[j].p)[row->np + e] = dot_fixed(qh + j * D, kp, D) * scale;
+                    row[j].p[row->np + e] = dot_fixed(qh + j * D, kp, D) * scale;
             }
-            for (int64_t j = 0; j < g; j++) softmax_fixed((float *)row[j].p, row->np + row->ne);
+            for (int64_t j = 0; j < g; j++) softmax_fixed(row[j].p, row->np + row->ne);
         }
         weighted_sums(jobs, R * g, shared, vc + h * D, Hkv * D, D);
         free(s);
