@@ -69,6 +69,10 @@ def main() -> None:
                          "just started does (else it also has every earlier run's steps)")
     ap.add_argument("--drafters", default="", help="profiles of these drafters only "
                     "(comma-separated; default: every one)")
+    ap.add_argument("--trace-batch", type=int, default=0,
+                    help="at batches up to this, one JSON line per controller choice in "
+                         "OUT/trace.jsonl: the depths chosen, the first sequence's survival, "
+                         "the step and draft costs planned with, whether the choice is held")
     a = ap.parse_args()
     t_start = time.monotonic()
     out = Path(a.out)
@@ -77,6 +81,8 @@ def main() -> None:
     batches = [int(b) for b in a.batches.split(",")]
     engine = build(make_model_dir(Path(tempfile.mkdtemp()), a.shape), max(batches), a.max_tokens)
     make_greedy_stable(engine.runner.model)
+    if a.trace_batch:
+        _trace_choices(engine, out / "trace.jsonl", a.trace_batch, a.k_max)
     t = time.monotonic()
     if engine.runner.graphs is not None:
         engine.runner.graphs.capture_all(max(batches), 16)
@@ -165,6 +171,31 @@ def main() -> None:
     res["complete"] = True
     res["wall_s"] = round(time.monotonic() - t_start, 1)
     save()
+
+
+def _trace_choices(engine, path: Path, max_batch: int, k_max: int) -> None:
+    """Wrap the controller's `choose`: what it planned with and chose, at batches up to
+    `max_batch` (the cells where it fell short of the best fixed k)."""
+    ctl = engine.drafting.controller
+    choose, f = ctl.choose, path.open("a", buffering=1)
+
+    def traced(base_rows, plain, cands, batch=0, base_q=1):
+        out = choose(base_rows, plain, cands, batch, base_q)
+        n = batch or plain + len(cands)
+        if cands and n <= max_batch:
+            c, costs = cands[0].alternatives[0], ctl.costs
+            f.write(json.dumps({
+                "step": ctl._step, "batch": n, "method": c.method,
+                "ks": sorted(ch.k for ch in out.values()),
+                "surv": [round(x, 3) for x in c.survival[:k_max]],
+                "step_ms": [round(costs.step_time(n, q, len(cands) if q > 1 else 0) * 1e3, 3)
+                            for q in range(1, k_max + 2)],
+                "draft_ms": [round(costs.draft_time(c.method, len(cands), d) * 1e3, 3)
+                             for d in range(1, k_max + 1)],
+                "held": ctl.holding, "period": ctl.probe_period}) + "\n")
+        return out
+
+    ctl.choose = traced
 
 
 def _depths(engine) -> dict[str, int]:
