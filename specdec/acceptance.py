@@ -19,6 +19,13 @@ server_trace_20261206_run1_prompt5.jsonl from bench/investigations/server_trace)
 the six requests' first-position acceptance ranged 0.68-0.96: a spread that a prior worth
 several verifications describes. Within a request acceptance moves (prose against code), and
 the floor keeps a long-lived sequence's estimate its own.
+
+A request's prior is its drafter's profile less the request's own part of it (`Share`): counted
+in both, a verification would weigh twice, and a fresh server's first request (the profile all
+its own) went plain after four rejections at the n-gram profile's 0.28 first-position
+acceptance (its first-position estimate 0.6 -> 0.07; 0.22 counted once), then stayed plain for
+the rest of its tokens where drafting 8 deep paid 1.66x on an H100
+(bench/results/gpu_goodput_h100_20261207_b.json, batch 1).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class Acceptance:
         self.reached: list[float] = []  # ... and those whose drafter drafted that deep
         self.prior_weight = prior_weight
         self.step = 0  # the controller's step the counts are current at
+        self.seen = 0  # verifications observed (a profile's clock for its requests' shares)
         # The last survival asked, (k, prior) -> S: each step asks the drafter's profile the same
         self._last: tuple[tuple[int, tuple[float, ...]], list[float]] | None = None
 
@@ -53,6 +61,7 @@ class Acceptance:
             return  # nothing was drafted: nothing learnt (an n-gram lookup without a match)
         drafted = depth if drafted is None else drafted
         self.step = max(self.step, step)
+        self.seen += 1
         self._last = None
         self.prior_weight = max(PRIOR_WEIGHT, self.prior_weight * self.decay)
         n = max(depth, len(self.offered))
@@ -78,19 +87,22 @@ class Acceptance:
             self._last = None
         self.step = max(self.step, step - 1)
 
-    def survival(self, k: int, prior: list[float]) -> list[float]:
+    def survival(self, k: int, prior: list[float], less: Share | None = None) -> list[float]:
         """S_1 .. S_k: P(at least j accepted | drafted j deep), shrunk towards `prior` [k],
         never growing with j. Where a position has little evidence of its own, its prior is
         the position before it times the conditional acceptance measured last (a sequence
-        drafted only 1 deep so far is not judged by a prior's guess of depth 2)."""
+        drafted only 1 deep so far is not judged by a prior's guess of depth 2). `less`: a
+        request's share of these counts, left out (a profile asked for that request's
+        prior)."""
         key = (k, tuple(prior))
-        if self._last is not None and self._last[0] == key:
+        if less is None and self._last is not None and self._last[0] == key:
             return list(self._last[1])
+        offered, accepted, _ = self._counts(less)
         out: list[float] = []
         prev, ratio = 1.0, None
         for j in range(k):
-            o = self.offered[j] if j < len(self.offered) else 0.0
-            a = self.accepted[j] if j < len(self.accepted) else 0.0
+            o = offered[j] if j < len(offered) else 0.0
+            a = accepted[j] if j < len(accepted) else 0.0
             p = prior[j] if ratio is None or o >= 1.0 else prev * ratio
             w = self.prior_weight
             s = min(prev, (a + w * p) / (o + w))
@@ -98,21 +110,60 @@ class Acceptance:
                 ratio = s / prev if prev > 0 else 0.0
             prev = s
             out.append(s)
-        self._last = (key, out)
+        if less is None:
+            self._last = (key, out)
         return list(out)
 
-    def reach(self, k: int, prior: list[float]) -> list[float]:
+    def reach(self, k: int, prior: list[float], less: Share | None = None) -> list[float]:
         """D_1 .. D_k: P(the drafter drafts j deep | asked j deep), shrunk towards `prior`
         [k], never growing with j: what a proposal costs where a model drafter stops short
-        (its pass j + 1 runs only where it drafted j)."""
+        (its pass j + 1 runs only where it drafted j). `less` as in `survival`."""
+        offered, _, reached = self._counts(less)
         out: list[float] = []
         prev = 1.0
         for j in range(k):
-            o = self.offered[j] if j < len(self.offered) else 0.0
-            r = self.reached[j] if j < len(self.reached) else 0.0
+            o = offered[j] if j < len(offered) else 0.0
+            r = reached[j] if j < len(reached) else 0.0
             prev = min(prev, (r + self.prior_weight * prior[j]) / (o + self.prior_weight))
             out.append(prev)
         return out
+
+    def _counts(self, less: Share | None) -> tuple[list[float], list[float], list[float]]:
+        """(offered, accepted, reached), less `less`'s share where given."""
+        if less is None or not less.offered:
+            return self.offered, self.accepted, self.reached
+        f = self.decay ** (self.seen - less.at)
+        return tuple([max(0.0, c - f * (x[j] if j < len(x) else 0.0)) for j, c in enumerate(cs)]
+                     for cs, x in ((self.offered, less.offered), (self.accepted, less.accepted),
+                                   (self.reached, less.reached)))
+
+
+class Share:
+    """One request's part of its drafter's profile: the counts its verifications added there,
+    decayed as the profile decays them (by the profile's decay at each verification it
+    observes, any request's), current at the profile's verification `at`."""
+
+    def __init__(self) -> None:
+        self.offered: list[float] = []
+        self.accepted: list[float] = []
+        self.reached: list[float] = []
+        self.at = 0
+
+    def add(self, profile: Acceptance, depth: int, accepted: int, drafted: int | None) -> None:
+        """After `profile` observed this request's verification (`Acceptance.observe`'s
+        arguments)."""
+        if depth <= 0:
+            return
+        drafted = depth if drafted is None else drafted
+        f = profile.decay ** (profile.seen - self.at)
+        self.at = profile.seen
+        n = max(depth, len(self.offered))
+        for counts in (self.offered, self.accepted, self.reached):
+            counts += [0.0] * (n - len(counts))
+        for j in range(n):
+            self.offered[j] = self.offered[j] * f + (j < depth)
+            self.accepted[j] = self.accepted[j] * f + (j < accepted)
+            self.reached[j] = self.reached[j] * f + (j < drafted)
 
 
 def geometric(a: float, k: int) -> list[float]:

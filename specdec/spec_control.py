@@ -71,7 +71,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from specdec.acceptance import DRAFTER_DECAY, PRIOR_WEIGHT, PRIOR_WEIGHT_NEW, Acceptance, geometric
+from specdec.acceptance import (
+    DRAFTER_DECAY,
+    PRIOR_WEIGHT,
+    PRIOR_WEIGHT_NEW,
+    Acceptance,
+    Share,
+    geometric,
+)
 from specdec.cost_model import CostModel
 from specdec.depth_plan import Alternative, best_depths, uniform_depths
 
@@ -124,6 +131,7 @@ class SpeculationController:
         self.costs = costs or CostModel()
         self._seqs: dict[tuple[str, str], Acceptance] = {}  # (request, method)
         self._drafters: dict[str, Acceptance] = {}  # method -> profile over every request
+        self._shares: dict[tuple[str, str], Share] = {}  # (request, method) -> its part there
         self._pending: dict[str, tuple[str, float]] = {}  # request -> (method, predicted)
         self.stats: dict[str, ControlStats] = {}
         self._since_probe = 0
@@ -177,6 +185,8 @@ class SpeculationController:
         own.observe(depth, accepted, self._step, drafted)
         profile = self._drafters.setdefault(method, Acceptance(DRAFTER_DECAY))
         profile.observe(depth, accepted, drafted=drafted)
+        self._shares.setdefault((request_id, method), Share()).add(profile, depth, accepted,
+                                                                   drafted)
         pending = self._pending.pop(request_id, None)
         st = self.stats.setdefault(method, ControlStats())
         st.depths[depth] += 1
@@ -190,18 +200,20 @@ class SpeculationController:
     def forget(self, request_id: str) -> None:
         for key in [k for k in self._seqs if k[0] == request_id]:
             del self._seqs[key]
+        for key in [k for k in self._shares if k[0] == request_id]:
+            del self._shares[key]
         self._pending.pop(request_id, None)
 
     def survival(self, request_id: str, method: str, k: int, fade: bool = True) -> list[float]:
         """S_1 .. S_k of this request with this drafter: its own evidence over its drafter's
-        profile, over a geometric prior. `fade`: let evidence from before the steps it was kept
-        plain fade (Acceptance.fade); not where starting the drafter again costs a catch-up
-        (a draft model behind: on the 2-core CPU, retrying one whose drafts keep failing cost
-        more than it found)."""
+        profile (less its own part there), over a geometric prior. `fade`: let evidence from
+        before the steps it was kept plain fade (Acceptance.fade); not where starting the
+        drafter again costs a catch-up (a draft model behind: on the 2-core CPU, retrying one
+        whose drafts keep failing cost more than it found)."""
         prior = geometric(PRIOR_ACCEPT_BY_METHOD.get(method, PRIOR_ACCEPT), k)
         drafter = self._drafters.get(method)
         if drafter is not None:
-            prior = drafter.survival(k, prior)
+            prior = drafter.survival(k, prior, self._shares.get((request_id, method)))
         own = self._seqs.get((request_id, method))
         if own is None:
             return prior
@@ -216,7 +228,7 @@ class SpeculationController:
         prior = [1.0] * k
         drafter = self._drafters.get(method)
         if drafter is not None:
-            prior = drafter.reach(k, prior)
+            prior = drafter.reach(k, prior, self._shares.get((request_id, method)))
         own = self._seqs.get((request_id, method))
         return prior if own is None else own.reach(k, prior)
 
@@ -322,6 +334,7 @@ class SpeculationController:
         generation taught says nothing of the traffic that follows it."""
         self._seqs.clear()
         self._drafters.clear()
+        self._shares.clear()
         self._pending.clear()
         self.stats.clear()
 
