@@ -166,5 +166,67 @@ class Share:
             self.reached[j] = self.reached[j] * f + (j < drafted)
 
 
+class Evidence:
+    """Every request's evidence per drafter, each drafter's profile over every request, and
+    each request's share of that profile: what the speculation controller estimates S_j and
+    D_j from."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[tuple[str, str], Acceptance] = {}  # (request, method)
+        self.drafters: dict[str, Acceptance] = {}  # method -> profile over every request
+        self.shares: dict[tuple[str, str], Share] = {}  # (request, method) -> its part there
+
+    def observe(self, request_id: str, method: str, depth: int, accepted: int, step: int,
+                drafted: int | None, firm: bool) -> None:
+        """A verification (`Acceptance.observe`'s arguments) at the controller's `step`.
+        `firm`: a new request's estimate holds to the profile as PRIOR_WEIGHT_NEW
+        verifications at first (else PRIOR_WEIGHT)."""
+        key = (request_id, method)
+        own = self.seqs.get(key)
+        if own is None:
+            own = self.seqs[key] = Acceptance(
+                prior_weight=PRIOR_WEIGHT_NEW if firm else PRIOR_WEIGHT)
+        own.observe(depth, accepted, step, drafted)
+        profile = self.drafters.setdefault(method, Acceptance(DRAFTER_DECAY))
+        profile.observe(depth, accepted, drafted=drafted)
+        self.shares.setdefault(key, Share()).add(profile, depth, accepted, drafted)
+
+    def survival(self, request_id: str, method: str, k: int, prior: list[float], step: int,
+                 fade: bool) -> list[float]:
+        """S_1 .. S_k: the request's own evidence over its drafter's profile less its own part
+        there, over `prior`; `fade`: its evidence first fades to `step` (Acceptance.fade)."""
+        key = (request_id, method)
+        profile = self.drafters.get(method)
+        if profile is not None:
+            prior = profile.survival(k, prior, self.shares.get(key))
+        own = self.seqs.get(key)
+        if own is None:
+            return prior
+        if fade:
+            own.fade(step)
+        return own.survival(k, prior)
+
+    def reach(self, request_id: str, method: str, k: int) -> list[float]:
+        """D_1 .. D_k, as `survival` is made, over never stopping short."""
+        key = (request_id, method)
+        prior = [1.0] * k
+        profile = self.drafters.get(method)
+        if profile is not None:
+            prior = profile.reach(k, prior, self.shares.get(key))
+        own = self.seqs.get(key)
+        return prior if own is None else own.reach(k, prior)
+
+    def forget(self, request_id: str) -> None:
+        """A request gone: its own evidence goes, its part of the profiles stays."""
+        for d in (self.seqs, self.shares):
+            for key in [k for k in d if k[0] == request_id]:
+                del d[key]
+
+    def clear(self) -> None:
+        self.seqs.clear()
+        self.drafters.clear()
+        self.shares.clear()
+
+
 def geometric(a: float, k: int) -> list[float]:
     return [a ** (j + 1) for j in range(k)]

@@ -36,6 +36,26 @@ class Alternative:
     reach: list[float] | None = None
 
 
+@dataclass
+class Candidate:
+    """A sequence the controller chooses for this step, with the ways it can speculate."""
+
+
+    request_id: str
+    alternatives: list[Alternative]  # one, or an `auto` request's drafters
+
+
+@dataclass
+class Choice:
+    """What the controller chose for a candidate: its drafter and depth."""
+
+
+    alternative: int  # index into the candidate's alternatives
+    k: int
+    fallback: int | None = None  # an alternative to draft with if the chosen lookup finds none
+    fallback_k: int = 0
+
+
 PassTime = Callable[[int], float]  # query rows -> seconds
 DraftTime = Callable[[str, int, int], float]  # (method, drafting sequences, depth) -> seconds
 SpecTime = Callable[[int], float]  # drafting sequences -> seconds beyond the rows' pass

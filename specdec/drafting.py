@@ -25,11 +25,11 @@ from drafters.base import AUTO_DRAFTERS
 from drafters.tree import DraftTree, row_shape
 from specdec.config import SpeculativeConfig
 from specdec.cost_model import CostModel
-from specdec.depth_plan import Alternative
+from specdec.depth_plan import Alternative, Candidate
 from specdec.outputs import SpecMetrics
 from specdec.request import NO_SPECULATION, Request, Speculation
 from specdec.scheduler import StepPlan
-from specdec.spec_control import Candidate, SpeculationController
+from specdec.spec_control import SpeculationController
 from specdec.step_inputs import NO_DRAFT, Draft
 
 log = logging.getLogger("specdec.engine")

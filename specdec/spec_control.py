@@ -71,16 +71,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from specdec.acceptance import (
-    DRAFTER_DECAY,
-    PRIOR_WEIGHT,
-    PRIOR_WEIGHT_NEW,
-    Acceptance,
-    Share,
-    geometric,
-)
+from specdec.acceptance import Evidence, geometric
 from specdec.cost_model import CostModel
-from specdec.depth_plan import Alternative, best_depths, uniform_depths
+from specdec.depth_plan import Alternative, Candidate, Choice, best_depths, uniform_depths
 
 PRIOR_ACCEPT = 0.6  # per-position acceptance assumed before any evidence
 # ... for a draft model, which shares the target's tokenizer and mostly its training: on the
@@ -94,20 +87,6 @@ PROBE_MAX = 4 * PROBE_EVERY  # ... at most, where the probes keep finding the sa
 PROBE_START = 0.25  # a probe's catch-up of a drafter behind: at most this share of a period
 TIE = 0.02  # speculative rates this close to the best count as equal (more tokens wins)
 MARGIN = 0.05  # speculation must beat plain decoding's predicted rate by this much
-
-
-@dataclass
-class Candidate:
-    request_id: str
-    alternatives: list[Alternative]  # one, or an `auto` request's drafters
-
-
-@dataclass
-class Choice:
-    alternative: int  # index into the candidate's alternatives
-    k: int
-    fallback: int | None = None  # an alternative to draft with if the chosen lookup finds none
-    fallback_k: int = 0
 
 
 @dataclass
@@ -129,9 +108,7 @@ class ControlStats:
 class SpeculationController:
     def __init__(self, costs: CostModel | None = None) -> None:
         self.costs = costs or CostModel()
-        self._seqs: dict[tuple[str, str], Acceptance] = {}  # (request, method)
-        self._drafters: dict[str, Acceptance] = {}  # method -> profile over every request
-        self._shares: dict[tuple[str, str], Share] = {}  # (request, method) -> its part there
+        self.evidence = Evidence()
         self._pending: dict[str, tuple[str, float]] = {}  # request -> (method, predicted)
         self.stats: dict[str, ControlStats] = {}
         self._since_probe = 0
@@ -177,16 +154,8 @@ class SpeculationController:
         it is kept plain and starts at PRIOR_WEIGHT (with the firmer prior on the H100, the
         n-gram profile's sequences at batch 1 stayed plain: 1.01x off against 1.69x before,
         `bench/results/gpu_goodput_h100_20261206_prior_b.json`)."""
-        own = self._seqs.get((request_id, method))
-        if own is None:
-            firm = method in self.costs.draft_calibration
-            own = self._seqs[(request_id, method)] = Acceptance(
-                prior_weight=PRIOR_WEIGHT_NEW if firm else PRIOR_WEIGHT)
-        own.observe(depth, accepted, self._step, drafted)
-        profile = self._drafters.setdefault(method, Acceptance(DRAFTER_DECAY))
-        profile.observe(depth, accepted, drafted=drafted)
-        self._shares.setdefault((request_id, method), Share()).add(profile, depth, accepted,
-                                                                   drafted)
+        self.evidence.observe(request_id, method, depth, accepted, self._step, drafted,
+                              firm=method in self.costs.draft_calibration)
         pending = self._pending.pop(request_id, None)
         st = self.stats.setdefault(method, ControlStats())
         st.depths[depth] += 1
@@ -198,10 +167,7 @@ class SpeculationController:
             st.predicted_tokens += 1 + sum(self.survival(request_id, method, depth))
 
     def forget(self, request_id: str) -> None:
-        for key in [k for k in self._seqs if k[0] == request_id]:
-            del self._seqs[key]
-        for key in [k for k in self._shares if k[0] == request_id]:
-            del self._shares[key]
+        self.evidence.forget(request_id)
         self._pending.pop(request_id, None)
 
     def survival(self, request_id: str, method: str, k: int, fade: bool = True) -> list[float]:
@@ -211,26 +177,13 @@ class SpeculationController:
         drafter again costs a catch-up (a draft model behind: on the 2-core CPU, retrying one
         whose drafts keep failing cost more than it found)."""
         prior = geometric(PRIOR_ACCEPT_BY_METHOD.get(method, PRIOR_ACCEPT), k)
-        drafter = self._drafters.get(method)
-        if drafter is not None:
-            prior = drafter.survival(k, prior, self._shares.get((request_id, method)))
-        own = self._seqs.get((request_id, method))
-        if own is None:
-            return prior
-        if fade:
-            own.fade(self._step)
-        return own.survival(k, prior)
+        return self.evidence.survival(request_id, method, k, prior, self._step, fade)
 
     def reach(self, request_id: str, method: str, k: int) -> list[float]:
         """D_1 .. D_k of this request with this model drafter (the chance that it drafts j
         deep when asked, where it may stop short): its own evidence over its drafter's profile,
         over never stopping."""
-        prior = [1.0] * k
-        drafter = self._drafters.get(method)
-        if drafter is not None:
-            prior = drafter.reach(k, prior, self._shares.get((request_id, method)))
-        own = self._seqs.get((request_id, method))
-        return prior if own is None else own.reach(k, prior)
+        return self.evidence.reach(request_id, method, k)
 
     # -- a step's choice ----------------------------------------------------------------------
     def choose(self, base_rows: int, plain: int, cands: list[Candidate], batch: int = 0,
@@ -332,9 +285,7 @@ class SpeculationController:
     def forget_evidence(self) -> None:
         """Drop every acceptance profile and the stats, keeping the costs: what a warm-up
         generation taught says nothing of the traffic that follows it."""
-        self._seqs.clear()
-        self._drafters.clear()
-        self._shares.clear()
+        self.evidence.clear()
         self._pending.clear()
         self.stats.clear()
 

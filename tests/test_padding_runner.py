@@ -10,14 +10,8 @@ import pytest
 from test_cost_model import _cached_curve, _never
 
 from specdec.calibration import CALIBRATION_ROWS
-from specdec.depth_plan import Alternative, uniform_depths
-from specdec.spec_control import (
-    PROBE_EVERY,
-    PROBE_MAX,
-    Candidate,
-    SpeculationController,
-    geometric,
-)
+from specdec.depth_plan import Alternative, Candidate, uniform_depths
+from specdec.spec_control import PROBE_EVERY, PROBE_MAX, SpeculationController, geometric
 
 
 def test_a_padding_runner_gets_one_depth_for_the_batch_and_probes_it_whole():

@@ -8,15 +8,14 @@ import pytest
 from test_cost_model import _cached_curve, _never
 
 from specdec import LLM, SamplingParams
+from specdec.acceptance import Acceptance
 from specdec.calibration import CALIBRATION_ROWS
 from specdec.cost_model import Curve
-from specdec.depth_plan import Alternative, best_depths
+from specdec.depth_plan import Alternative, Candidate, best_depths
 from specdec.spec_control import (
     PRIOR_ACCEPT,
     PRIOR_ACCEPT_BY_METHOD,
     PROBE_EVERY,
-    Acceptance,
-    Candidate,
     SpeculationController,
     geometric,
 )
@@ -433,7 +432,8 @@ def test_a_requests_own_verifications_count_once_in_its_estimate():
     # falls below 0.6, and it is the profile with "a"'s part left out.
     for _ in range(6):
         ctl.verified("b", "ngram", 8, 0, 1)
-    prior_a = ctl._drafters["ngram"].survival(1, [0.6], ctl._shares[("a", "ngram")])[0]
+    ev = ctl.evidence
+    prior_a = ev.drafters["ngram"].survival(1, [0.6], ev.shares[("a", "ngram")])[0]
     b_part = sum(0.995 ** i for i in range(6))
     assert prior_a == pytest.approx(2 * 0.6 / (b_part + 2), rel=1e-9)
     assert ctl.survival("a", "ngram", 1)[0] == pytest.approx(2 * prior_a / (offered + 2))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from specdec.depth_plan import Alternative
-from specdec.spec_control import Candidate, SpeculationController
+from specdec.depth_plan import Alternative, Candidate
+from specdec.spec_control import SpeculationController
 
 
 def main() -> None:
