@@ -39,6 +39,7 @@ from specdec.config import (
     SpeculativeConfig,
     resolve_model_config,
 )
+from specdec.cost_model import step_period
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.drafting import Drafting
 from specdec.model_runner import ModelRunner
@@ -77,6 +78,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._launched: Launched | None = None  # launched, not committed (see step)
         self._carried: list[RequestOutput] = []  # outputs of a step that raised
+        self._returned = 0.0  # when the last step() returned (overlap: see step_period)
         self._rng = random.Random(config.seed)
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids)))
         self.token_pieces = TokenPieces(self.tokenizer, self.eos_token_ids)  # infill sampler
@@ -332,16 +334,18 @@ class LLMEngine:
         self._carried = []
         if done is not None and done.num_tokens and all(row.decode for row in done.rows) \
                 and done.num_tokens == sum(1 + len(row.parents) for row in done.rows):
-            # What the controller plans with is the whole step, host work and overlap as they
-            # are (a chained step hides its host work, a host-planned one does not), less the
-            # drafters' time, which it counts apart, and how many sequences drafted. Steps
-            # with prefill work are left out: the controller plans decodes, and under overlap a
-            # lone prefill's call can return in a fraction of its pass (a 256-row prefill read
-            # 0.66 ms on the H200, below a 1-row decode).
-            self.drafting.controller.record_pass(
-                done.num_tokens, time.perf_counter() - t_step - t_draft,
-                sum(1 for row in done.rows if row.parents), chained, len(done.rows),
-                max(1 + len(row.parents) for row in done.rows))
+            # The controller plans with whole decode steps, host work and overlap as they are
+            # (a chained step hides its host work), less the drafters' time, counted apart.
+            # Prefill steps are left out: under overlap a lone prefill's call can return in a
+            # fraction of its pass (256 rows read 0.66 ms on the H200, below a 1-row decode).
+            seconds = time.perf_counter() - t_step - t_draft
+            if self.overlap:
+                seconds = step_period(seconds, t_step - self._returned)
+            if seconds is not None:
+                self.drafting.controller.record_pass(
+                    done.num_tokens, seconds, sum(1 for row in done.rows if row.parents),
+                    chained, len(done.rows), max(1 + len(row.parents) for row in done.rows))
+        self._returned = time.perf_counter()
         return outputs
 
     def _commit(self, launched: Launched) -> list[Settled]:

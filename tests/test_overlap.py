@@ -179,3 +179,36 @@ def test_adaptive_requests_at_depth_zero_chain_while_the_controller_rests(tiny_l
     # Probes still come: about one host-planned step every PROBE_EVERY.
     assert lm.engine.chainer.chained_steps <= steps - steps // PROBE_EVERY
     assert lm.engine.blocks.num_used == 0
+
+
+def test_a_step_read_back_after_a_pause_is_not_priced(tiny_llama):
+    """With overlap a step's call waits only for what is left of it; after a pause outside the
+    engine (a caller's synchronisation) the step may be long done, and its short call would
+    price it far below its cost. Steps after such a pause are not recorded; steps back to back
+    are, call and gap together (specdec/cost_model.py `step_period`)."""
+    import time
+
+    from specdec.cost_model import step_period
+
+    assert step_period(0.005, 0.0002) == 0.0052
+    assert step_period(0.0009, 0.005) is None and step_period(0.005, -1.0) is None
+    lm = llm(tiny_llama, True)
+    engine = lm.engine
+    priced: dict[int, float] = {}  # engine.step call -> the seconds it recorded
+    record = engine.drafting.controller.record_pass
+    n = 0
+
+    def spy(rows, seconds, *a):
+        priced[n] = seconds
+        record(rows, seconds, *a)
+
+    engine.drafting.controller.record_pass = spy
+    engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=12,
+                                                        ignore_eos=True))
+    while engine.has_unfinished():
+        n += 1
+        if n == 6:
+            time.sleep(0.5)  # far longer than a tiny model's step
+        engine.step()
+    assert 6 not in priced and len(priced) >= 4  # decode steps are priced from call 3 on
+    assert max(priced.values()) < 0.5
