@@ -8,7 +8,6 @@ import pytest
 from test_cost_model import _cached_curve, _never
 
 from specdec import LLM, SamplingParams
-from specdec.acceptance import Acceptance
 from specdec.calibration import CALIBRATION_ROWS
 from specdec.cost_model import Curve
 from specdec.depth_plan import Alternative, Candidate, best_depths
@@ -49,20 +48,6 @@ def test_per_sequence_depths_follow_acceptance():
             Alternative("ngram", 4, 1, geometric(0.1, 4))]
     ks, _ = best_depths(alts, 2, 0, lambda rows: 1.0 + 0.1 * rows, lambda m, n, d: 0.0)
     assert ks[0] == 4 and ks[1] == 0
-
-
-def test_acceptance_is_recency_weighted_and_monotone():
-    acc = Acceptance()
-    for _ in range(30):
-        acc.observe(4, 4)
-    assert acc.survival(4, geometric(0.5, 4))[-1] > 0.8
-    for _ in range(30):
-        acc.observe(4, 0)  # acceptance collapses: it shows within a few verifications
-    assert acc.survival(4, geometric(0.5, 4))[0] < 0.15
-    s = acc.survival(6, geometric(0.9, 6))
-    assert all(b <= a for a, b in zip(s, s[1:]))
-    acc.observe(0, 0)  # nothing drafted: nothing learnt
-    assert acc.survival(6, geometric(0.9, 6)) == s
 
 
 def test_a_costly_draft_model_is_not_tried_where_it_cannot_pay(tmp_path):
@@ -399,44 +384,3 @@ def test_the_pace_stays_anchored_on_a_steady_machine(tmp_path):
             c.record_draft("draft_model", 1, 4, 0.009 * rng.randint(1, 4) * noise)
     assert 0.85 < c.costs.speed < 1.2
     assert c.costs.pass_time(1) == pytest.approx(0.030, rel=0.2)
-
-
-def test_a_draft_models_reach_is_learnt_from_where_it_stopped_short():
-    # Asked 3 deep, the drafter drafted 1 token in four verifications of five, 3 in the fifth:
-    # D_1 is 1 (the first pass always runs and judges), D_2 and D_3 fall towards 0.2 (a recent
-    # 3 weighs most, and the prior of never stopping counts 2 against about 10); a drafter
-    # never seen stopping short keeps 1 everywhere.
-    ctl = SpeculationController()
-    for _ in range(8):
-        for drafted in (1, 1, 1, 1, 3):
-            ctl.verified("r", "draft_model", 3, min(drafted, 1), 2, drafted)
-    d = ctl.reach("r", "draft_model", 3)
-    assert d[0] == pytest.approx(1.0)
-    assert 0.15 < d[1] < 0.45 and d[2] <= d[1]
-    assert ctl.reach("r", "eagle", 3) == [1.0, 1.0, 1.0]
-    # ... and its survival counts the positions it did not draft as rejected
-    assert ctl.survival("r", "draft_model", 2)[1] < 0.35
-
-
-def test_a_requests_own_verifications_count_once_in_its_estimate():
-    # Alone on a fresh server a request's drafter profile is all its own: its prior is the
-    # profile less its part, so four rejections weigh once (0.6 prior worth 2 against 3.44 of
-    # decayed evidence: 0.22), not twice (0.07, and the request went plain where drafting paid).
-    ctl = SpeculationController()
-    for _ in range(4):
-        ctl.verified("a", "ngram", 8, 0, 1)
-    offered = sum(0.9 ** i for i in range(4))
-    alone = 2 * 0.6 / (offered + 2)
-    assert ctl.survival("a", "ngram", 1)[0] == pytest.approx(alone)
-    # Another request's verifications are evidence for it, through the profile: its prior
-    # falls below 0.6, and it is the profile with "a"'s part left out.
-    for _ in range(6):
-        ctl.verified("b", "ngram", 8, 0, 1)
-    ev = ctl.evidence
-    prior_a = ev.drafters["ngram"].survival(1, [0.6], ev.shares[("a", "ngram")])[0]
-    b_part = sum(0.995 ** i for i in range(6))
-    assert prior_a == pytest.approx(2 * 0.6 / (b_part + 2), rel=1e-9)
-    assert ctl.survival("a", "ngram", 1)[0] == pytest.approx(2 * prior_a / (offered + 2))
-    # A request gone leaves its part in the profile for those after it.
-    ctl.forget("a")
-    assert ctl.survival("c", "ngram", 1)[0] < prior_a
