@@ -76,16 +76,18 @@ HOST_AGE = 128  # recorded steps a drafted step's extra counts for (four probes 
 PACE_WINDOW = 9  # recent target steps whose median time over price is the pace
 
 
+IDLE_GAP = 0.1  # seconds between engine calls past which the engine sat idle (see step_period)
+
+
 def step_period(in_call: float, gap: float) -> float | None:
     """What a decode step took, with overlap (its successor launched before it is read back):
-    the call that commits it waits for what is left of it on the device, so its time alone
-    leaves out the `gap` since the call before returned, in which the device worked on. A
-    loop running step after step (a gap shorter than the call) takes call and gap together,
-    the step's period; after a longer gap the device may have finished and idled in it (on an
-    H100 the benchmark's one synchronisation after the first tokens made a batch-1 step read
-    0.89 ms against its 5.9: the controller's first measurement of a drafted step, which
-    priced plain steps at 0.53 ms and kept the batch plain), so the step tells nothing: None."""
-    return in_call + gap if 0.0 <= gap <= in_call else None
+    the call that commits it waits only for what is left of it on the device, while the device
+    worked on through the `gap` since the call before returned, so the step's period is call
+    and gap together. Priced by its call alone, the first drafted step of an H100 batch-1 run
+    read 0.89 ms against its 5.9 (the benchmark synchronised in the gap), the controller priced
+    plain steps at 0.53 ms from it and kept the batch plain. A gap over IDLE_GAP is an engine
+    left idle (no requests), whose step tells nothing: None."""
+    return in_call + gap if 0.0 <= gap <= IDLE_GAP else None
 
 
 class CostModel:
