@@ -35,6 +35,7 @@ PRIOR_WEIGHT_NEW = 6.0  # ... and this many before any (fading with them, down t
 DECAY = 0.9  # a request's evidence fades by this per verification
 DRAFTER_DECAY = 0.995  # ... a drafter's profile over every request, more slowly
 IDLE_DECAY = 0.97  # ... a request's, for each step that verifies none of its drafts
+SHARE_NEGLIGIBLE = 0.02  # a request's share of a profile left in below this part of it
 
 
 class Acceptance:
@@ -94,6 +95,7 @@ class Acceptance:
         drafted only 1 deep so far is not judged by a prior's guess of depth 2). `less`: a
         request's share of these counts, left out (a profile asked for that request's
         prior)."""
+        less = self._material(less)
         key = (k, tuple(prior))
         if less is None and self._last is not None and self._last[0] == key:
             return list(self._last[1])
@@ -118,7 +120,7 @@ class Acceptance:
         """D_1 .. D_k: P(the drafter drafts j deep | asked j deep), shrunk towards `prior`
         [k], never growing with j: what a proposal costs where a model drafter stops short
         (its pass j + 1 runs only where it drafted j). `less` as in `survival`."""
-        offered, _, reached = self._counts(less)
+        offered, _, reached = self._counts(self._material(less))
         out: list[float] = []
         prev = 1.0
         for j in range(k):
@@ -127,6 +129,16 @@ class Acceptance:
             prev = min(prev, (r + self.prior_weight * prior[j]) / (o + self.prior_weight))
             out.append(prev)
         return out
+
+    def _material(self, less: Share | None) -> Share | None:
+        """`less`, or None where it is at most SHARE_NEGLIGIBLE of these counts (a request among
+        many): then every request asks the same survival, computed once a step (at batch 128
+        the subtraction for each took the controller's host time per step 1.9 -> 2.6 ms,
+        bench/investigations/controller_host.py)."""
+        if less is None or not less.offered or not self.offered:
+            return None
+        f = self.decay ** (self.seen - less.at)
+        return less if less.offered[0] * f > SHARE_NEGLIGIBLE * self.offered[0] else None
 
     def _counts(self, less: Share | None) -> tuple[list[float], list[float], list[float]]:
         """(offered, accepted, reached), less `less`'s share where given."""

@@ -63,3 +63,20 @@ def test_a_requests_own_verifications_count_once_in_its_estimate():
     # A request gone leaves its part in the profile for those after it.
     ctl.forget("a")
     assert ctl.survival("c", "ngram", 1)[0] < prior_a
+
+
+def test_a_share_too_small_to_matter_is_left_in():
+    # Among 100 requests one's share of the profile is 1%: every request then asks the same
+    # survival of the profile, computed once (the controller's host time at batch 128).
+    ctl = SpeculationController()
+    for i in range(100):
+        ctl.verified(f"r{i}", "ngram", 4, i % 3, 1)
+    ev = ctl.evidence
+    profile = ev.drafters["ngram"]
+    whole = profile.survival(4, [0.6] * 4)
+    assert profile.survival(4, [0.6] * 4, ev.shares[("r7", "ngram")]) == whole
+    # ... where one request's share is not: left out, its full acceptances lift its prior no more
+    for _ in range(40):
+        ctl.verified("big", "ngram", 4, 4, 5)
+    with_big = profile.survival(4, [0.6] * 4)
+    assert profile.survival(4, [0.6] * 4, ev.shares[("big", "ngram")])[3] < with_big[3] - 0.1
