@@ -65,13 +65,7 @@ class Acceptance:
         self.seen += 1
         self._last = None
         self.prior_weight = max(PRIOR_WEIGHT, self.prior_weight * self.decay)
-        n = max(depth, len(self.offered))
-        for counts in (self.offered, self.accepted, self.reached):
-            counts += [0.0] * (n - len(counts))
-        for j in range(n):
-            self.offered[j] = self.offered[j] * self.decay + (j < depth)
-            self.accepted[j] = self.accepted[j] * self.decay + (j < accepted)
-            self.reached[j] = self.reached[j] * self.decay + (j < drafted)
+        _fold(self, self.decay, depth, accepted, drafted)
 
     def fade(self, step: int) -> None:
         """Counts fade by IDLE_DECAY for each step before `step` since they were last current
@@ -167,15 +161,8 @@ class Share:
         if depth <= 0:
             return
         drafted = depth if drafted is None else drafted
-        f = profile.decay ** (profile.seen - self.at)
+        _fold(self, profile.decay ** (profile.seen - self.at), depth, accepted, drafted)
         self.at = profile.seen
-        n = max(depth, len(self.offered))
-        for counts in (self.offered, self.accepted, self.reached):
-            counts += [0.0] * (n - len(counts))
-        for j in range(n):
-            self.offered[j] = self.offered[j] * f + (j < depth)
-            self.accepted[j] = self.accepted[j] * f + (j < accepted)
-            self.reached[j] = self.reached[j] * f + (j < drafted)
 
 
 class Evidence:
@@ -238,6 +225,18 @@ class Evidence:
         self.seqs.clear()
         self.drafters.clear()
         self.shares.clear()
+
+
+def _fold(c: Acceptance | Share, f: float, depth: int, accepted: int, drafted: int) -> None:
+    """Counts `c` decayed by `f`, then one verification added: offered to `depth`, accepted to
+    `accepted`, drafted to `drafted`, per position."""
+    n = max(depth, len(c.offered))
+    for counts in (c.offered, c.accepted, c.reached):
+        counts += [0.0] * (n - len(counts))
+    for j in range(n):
+        c.offered[j] = c.offered[j] * f + (j < depth)
+        c.accepted[j] = c.accepted[j] * f + (j < accepted)
+        c.reached[j] = c.reached[j] * f + (j < drafted)
 
 
 def geometric(a: float, k: int) -> list[float]:
