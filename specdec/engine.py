@@ -45,7 +45,7 @@ from specdec.drafting import Drafting
 from specdec.model_runner import ModelRunner
 from specdec.output_builder import OutputBuilder
 from specdec.outputs import RequestOutput, SpecMetrics
-from specdec.request import Request
+from specdec.request import Request, prompt_ids
 from specdec.sampler import TokenPieces
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler, StepPlan
@@ -185,20 +185,8 @@ class LLMEngine:
         """Admit a request; every check that can fail runs here (ValueError), not in a step."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = (self.tokenizer.encode(prompt, add_special_tokens=False)
-               if isinstance(prompt, str) else [int(t) for t in prompt])
-        vocab = self.runner.vocab_size
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
-                             f"{self.max_model_len} tokens, including the completion")
-        max_blocks = self.blocks.num_blocks * self.blocks.block_size
-        if len(ids) + 1 > max_blocks:
-            raise ValueError(f"the prompt needs more KV cache ({len(ids)} tokens) than the "
-                             f"engine has ({max_blocks} tokens)")
+        ids = prompt_ids(self.tokenizer, prompt, self.runner.vocab_size, self.max_model_len,
+                         self.blocks.num_blocks * self.blocks.block_size)
         spec = self.drafting.resolve(params.speculative)
         seq = Sequence(request_id, ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)

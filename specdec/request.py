@@ -76,3 +76,23 @@ class Request:
         if self.error is None:
             self.error = message
         self.seq.aborted = True
+
+
+def prompt_ids(tokenizer: Any, prompt: str | list[int], vocab: int, max_model_len: int,
+               kv_tokens: int) -> list[int]:
+    """A prompt's token ids (a string is encoded without special tokens), or ValueError where
+    the engine could not serve it: empty, ids outside the vocabulary, no room for a completion
+    in the context, or more tokens than the KV cache holds."""
+    ids = (tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str)
+           else [int(t) for t in prompt])
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if any(t < 0 or t >= vocab for t in ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
+                         f"{max_model_len} tokens, including the completion")
+    if len(ids) + 1 > kv_tokens:
+        raise ValueError(f"the prompt needs more KV cache ({len(ids)} tokens) than the "
+                         f"engine has ({kv_tokens} tokens)")
+    return ids
