@@ -233,8 +233,9 @@ def main() -> None:
         ratios["spec_vs_own_plain_per_prompt"] = per
     if "specdec_plain" in results and "specdec_plain_only" in results:
         # The same work on two servers: how far one prompt's ratio moves with the machine alone
-        # (on the 2-core CPU 0.86-1.31x at 2 passes, bench/results/cpu_vs_llamacpp_20261207_
-        # share.json), the resolution of the per-prompt ratios above.
+        # (on the 2-core CPU 0.86-1.31x at 2 passes in
+        # bench/results/cpu_vs_llamacpp_20261207_share.json), the resolution of the per-prompt
+        # ratios above.
         ratios["plain_vs_plain_only_per_prompt"] = [
             x["decode_tok_s"] / y["decode_tok_s"]
             for x, y in zip(results["specdec_plain"], results["specdec_plain_only"])]
