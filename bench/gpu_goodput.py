@@ -9,7 +9,8 @@ proposes that output, corrupted per draft depth so that its survival follows the
 verification costs at each batch size and whether the controller's depths follow it. Decode
 throughput is tokens after every request's first token over that time; every speculative run's
 output must equal the plain run's. Every cell, speculation off included, runs twice with the
-profile's others in turn, the faster kept.
+profile's others in turn, the faster kept. `--planned-every-step` adds the controller with
+its held choice asked again at every host-built step (as before Drafting._hold), for the A/B.
 
     PYTHONPATH=. python3 bench/gpu_goodput.py --profiles bench/results/goodput_cpu_DATE.json \\
         --out DIR [--batches 1,4,16,32,64,128] [--budget-s 540]
@@ -69,6 +70,10 @@ def main() -> None:
                          "just started does (else it also has every earlier run's steps)")
     ap.add_argument("--drafters", default="", help="profiles of these drafters only "
                     "(comma-separated; default: every one)")
+    ap.add_argument("--planned-every-step", action="store_true",
+                    help="also run the controller with every step's choice planned on the "
+                         "host (Drafting._hold off: the held choice asked again each "
+                         "step), as the cell `controller_planned`")
     ap.add_argument("--trace-batch", type=int, default=0,
                     help="at batches up to this, one JSON line per controller choice in "
                          "OUT/trace.jsonl: the depths chosen, the first sequence's survival, "
@@ -128,6 +133,8 @@ def main() -> None:
                 cells = {f"k={k}": {"num_speculative_tokens": int(k), "adaptive": False}
                          for k in a.k.split(",")}
                 cells["controller"] = {"num_speculative_tokens": a.k_max, "adaptive": True}
+                if a.planned_every_step:
+                    cells["controller_planned"] = cells["controller"]
                 cells["off"] = {}
                 # Each cell twice, the faster kept: the first run of a shape may capture a
                 # graph or tune a kernel inside its timed window. Speculation off too, among
@@ -137,15 +144,19 @@ def main() -> None:
                 for name, extra in [(n, e) for _ in range(2) for n, e in cells.items()]:
                     spec = ({"method": "replay", "survival": surv, **extra} if name != "off"
                             else {"method": "none"})
-                    if name == "controller" and a.fresh_costs:
+                    ctl = name.startswith("controller")
+                    if ctl and a.fresh_costs:
                         engine.drafting.controller.costs.forget_steps()
                         engine.drafting.controller.forget_evidence()
                     before = _depths(engine)
                     chained = engine.chainer.chained_steps
+                    if name == "controller_planned":
+                        engine.drafting._hold = lambda decoding: False
                     run = run_requests(engine, prompts, spec, a.max_tokens,
                                        f"{ds}{drafter}{batch}{name}{time.monotonic_ns()}")
-                    if name == "controller":  # what it chose, and the costs it planned with
-                        row.setdefault("controller_runs", []).append(
+                    engine.drafting.__dict__.pop("_hold", None)
+                    if ctl:  # what it chose, and the costs it planned with
+                        row.setdefault(f"{name}_runs", []).append(
                             _controller_detail(engine, before, batch, a.k_max, run.rate)
                             | {"chained_steps": engine.chainer.chained_steps - chained})
                     elif name != "off":  # the real steps' times by rows after each fixed k

@@ -52,6 +52,8 @@ class Drafting:
         # request -> the depth its drafter was last asked for, where the drafter may stop short
         # (Drafter.last_asked): its verification is judged at that depth
         self._asked: dict[str, int] = {}
+        # request -> (speculation, depth, fallback) the last planned step gave it (`_hold`)
+        self._planned: dict[str, tuple[Speculation, int, Any]] = {}
 
     # -- admission --------------------------------------------------------------------------
     def resolve(self, override: dict[str, Any] | None) -> Speculation:
@@ -125,6 +127,8 @@ class Drafting:
     def depths(self, decoding: list[Request]) -> None:
         """Set each decode's drafter and draft depth for this step: its own k, or the
         controller's choice for adaptive requests (an `auto` request's drafter too)."""
+        if self._hold(decoding):
+            return
         fixed: list[Request] = []
         cands: list[Candidate] = []
         for r in decoding:
@@ -149,6 +153,26 @@ class Drafting:
             r.drafter = self.drafter(r.active)
             if ch.fallback is not None and ch.k > 0:
                 r.fallback = (choices[ch.fallback], ch.fallback_k)
+        self._planned = {r.request_id: (r.active, r.depth, r.fallback) for r in decoding}
+
+    def _hold(self, decoding: list[Request]) -> bool:
+        """Give every decode the depth the last planned step gave it, without asking the
+        controller, where it holds that choice (a runner that pads: one depth for the batch,
+        held until the next probe) and the batch is that step's, less requests that finished:
+        the host-built steps between probes then do what chained steps do on the device. The
+        choice's host work (its candidates' estimates and the plan) sat between every two
+        host-planned steps: about 2 ms at batch 128 on the 2-core CPU
+        (bench/investigations/controller_host.py)."""
+        ctl = self.controller
+        if (not ctl.uniform or not ctl.holding or not decoding
+                or any(r.request_id not in self._planned for r in decoding)
+                or not any(r.spec.adaptive for r in decoding) or not ctl.hold_step()):
+            return False
+        for r in decoding:
+            r.active, r.depth, r.fallback = self._planned[r.request_id]
+            if r.spec.adaptive:
+                r.drafter = self.drafter(r.active)
+        return True
 
     def _alternative(self, r: Request, s: Speculation) -> Alternative:
         """What drafting `r` with `s` this step would gain (survival) and cost (tree width; a
@@ -327,6 +351,7 @@ class Drafting:
             return
         self.controller.forget(r.request_id)
         self._asked.pop(r.request_id, None)
+        self._planned.pop(r.request_id, None)
         for spec in self._choices(r):
             self._proposed.pop((r.request_id, spec.drafter_key), None)
             drafter = self.drafters.get(spec.drafter_key)

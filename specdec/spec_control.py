@@ -110,6 +110,7 @@ class SpeculationController:
         self.costs = costs or CostModel()
         self.evidence = Evidence()
         self._pending: dict[str, tuple[str, float]] = {}  # request -> (method, predicted)
+        self._chosen: dict[str, tuple[str, float]] = {}  # ... of the last choice (`hold_step`)
         self.stats: dict[str, ControlStats] = {}
         self._since_probe = 0
         self._step = 0  # steps taken: chosen (`choose`) or held (`hold_step`)
@@ -169,6 +170,7 @@ class SpeculationController:
     def forget(self, request_id: str) -> None:
         self.evidence.forget(request_id)
         self._pending.pop(request_id, None)
+        self._chosen.pop(request_id, None)
 
     def survival(self, request_id: str, method: str, k: int, fade: bool = True) -> list[float]:
         """S_1 .. S_k of this request with this drafter: its own evidence over its drafter's
@@ -280,6 +282,7 @@ class SpeculationController:
             a = cand.alternatives[ch.alternative]
             self._pending[c] = (a.method, 1 + sum(a.survival[:ch.k]))
         self._all_off = all(ch.k == 0 and ch.fallback is None for ch in out.values())
+        self._chosen = {c: self._pending[c] for c in out}
         return out
 
     def forget_evidence(self) -> None:
@@ -287,6 +290,7 @@ class SpeculationController:
         generation taught says nothing of the traffic that follows it."""
         self.evidence.clear()
         self._pending.clear()
+        self._chosen.clear()
         self.stats.clear()
 
     def _back_off(self, cands: list[Candidate], picks: list[int], ks: list[int]) -> None:
@@ -326,6 +330,7 @@ class SpeculationController:
             return False
         self._since_probe += 1
         self._step += 1
+        self._pending.update(self._chosen)
         return True
 
     def _pick(self, c: Candidate, rows: int, batch: int) -> int:

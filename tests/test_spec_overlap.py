@@ -261,3 +261,35 @@ def test_adaptive_requests_chain_drafted_steps_while_the_controller_holds(tiny_l
     monkeypatch.setattr(spec_control, "PROBE_EVERY", 3)
     few, _ = run()
     assert 0 < few < chained  # a host-planned step at every probe
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_a_held_choice_is_not_asked_again_between_probes(tiny_llama, plain, monkeypatch,
+                                                         uniform):
+    """On a runner that pads (`uniform`) the controller holds one depth for the batch until its
+    next probe, and host-built steps in between take it without a choice (Drafting._hold),
+    as chained steps do; elsewhere every step is chosen. Outputs are plain decoding's."""
+    from specdec import spec_control
+    from specdec.cost_model import CostModel
+
+    monkeypatch.setattr(CostModel, "pass_time", lambda self, rows: 1.0)
+    monkeypatch.setattr(spec_control, "PROBE_EVERY", 4)
+    lm = llm(tiny_llama, False)
+    eng = lm.engine
+    ctl, drafting = eng.drafting.controller, eng.drafting
+    ctl.uniform = uniform
+    chosen, steps = [], []
+    choose, depths = ctl.choose, drafting.depths
+    monkeypatch.setattr(ctl, "choose", lambda *a: chosen.append(1) or choose(*a))
+    monkeypatch.setattr(drafting, "depths", lambda d: steps.append(1) or depths(d))
+    outs = lm.generate(PROMPTS, SamplingParams(
+        temperature=0, ignore_eos=True, max_tokens=48, speculative={
+            "method": "replay", "num_speculative_tokens": 3, "corrupt_rate": 0.0,
+            "adaptive": True}))
+    assert summary(outs) == summary(plain)
+    st = ctl.stats["replay"].to_dict()
+    assert st["depth_histogram"].get("3", 0) > st["steps"] // 2  # drafted 3 deep mostly
+    if not uniform:
+        assert len(chosen) == len(steps)
+    else:  # held between probes, every 4 steps at first
+        assert len(steps) // 4 <= len(chosen) < len(steps) - 2
