@@ -5,7 +5,9 @@ bench/goodput_cpu.py measured on the CPU (n-gram and the draft model, HumanEval 
 The target has the Llama-3.1-8B shape with random weights (bench/gpu_setup.py), made
 greedy-stable so that a recorded plain output stays the target's output; the replay drafter
 proposes that output, corrupted per draft depth so that its survival follows the profile
-(drafters/replay.py `survival`). The drafter itself costs nothing here: the sweep measures what
+(drafters/replay.py `survival`), each position's fate drawn alike in every cell (the same
+prompt, position and try: cells that draft alike get the same acceptance, so they compare on the
+same luck). The drafter itself costs nothing here: the sweep measures what
 verification costs at each batch size and whether the controller's depths follow it. Decode
 throughput is tokens after every request's first token over that time; every speculative run's
 output must equal the plain run's. Every cell, speculation off included, runs twice with the

@@ -181,6 +181,26 @@ def test_survival_profile_sets_acceptance_per_depth(engine, plain):
     assert all(s.accepted_per_position[0] > 0 for s in specs)
 
 
+def test_a_profile_replays_the_same_luck_for_the_same_prompt(engine, plain):
+    """A profile's draws are fixed by the recorded prompt, the output position and how many
+    times it was proposed, not by the request id: two runs drafting alike accept alike (a
+    benchmark compares configurations on the same luck), and the acceptance still follows
+    the profile."""
+    spec = {"method": "replay", "num_speculative_tokens": 2, "survival": "0.6,0.3"}
+    first, a = _generate(engine, spec, "luck-a")
+    second, b = _generate(engine, spec, "luck-b")
+    assert first == second == plain
+    assert [s.accepted_per_position for s in a] == [s.accepted_per_position for s in b]
+    shifted, c = _generate(engine, spec | {"seed": 7}, "luck-c")  # the seed does not key it
+    assert [s.accepted_per_position for s in c] == [s.accepted_per_position for s in a]
+    # Over many positions the first position's acceptance is the profile's S_1.
+    cur = replay._Cursor(0, list(range(4000)), 0, (1, 2, 3))
+    fates = [replay._common_draw(cur.key, p, 0) >= 0.4 for p in range(4000)]
+    assert 0.57 < sum(fates) / len(fates) < 0.63
+    again = [replay._common_draw(cur.key, p, 1) >= 0.4 for p in range(4000)]
+    assert 0.57 < sum(again) / len(again) < 0.63 and again != fates  # a fresh draw per try
+
+
 @pytest.mark.parametrize("bad", ["x", "0.5,0.7", "1.2"])
 def test_survival_profile_is_checked_at_admission(bad):
     from drafters import check_speculative
