@@ -24,7 +24,7 @@ from drafters.base import Drafter, DraftRequest, Option, register
 from drafters.tree import DraftTree
 from specdec.block_manager import BlockManager
 from specdec.config import CacheConfig, ModelConfig, RuntimeConfig, resolve_model_config
-from specdec.model_runner import ModelRunner
+from specdec.model_runner import ModelRunner, return_freed_memory
 from specdec.sampler import argmax_rows, host_to_device, process_logits
 from specdec.sequence import Sequence
 from specdec.step_inputs import Segment
@@ -75,6 +75,8 @@ class DraftModelDrafter(Drafter):
         if mc.quantization != "none" and DRAFT_VOCAB < mc.vocab_size:
             self.reduce_vocabulary(draft_vocab_ids(special_token_ids(mc.path), DRAFT_VOCAB))
         self.blocks = BlockManager(self.runner.num_blocks, draft_cache.block_size, False)
+        if self.runner.device.type == "cpu":
+            return_freed_memory()  # the reduced head's conversion too
         self.last_catch_up = 0  # tokens fed before the first draft of the last proposal
         self._seqs: dict[str, Sequence] = {}
         self._start: dict[str, int] = {}  # the sequence position its draft state starts at

@@ -2,7 +2,10 @@
 
 A block holds `block_size` consecutive tokens of one sequence. A block full of committed tokens
 gets a hash chained from its predecessor's, so a later sequence with the same prefix reuses it.
-Unreferenced hashed blocks stay cached and are evicted least-recently-used first.
+Unreferenced hashed blocks stay cached and are evicted least-recently-used first; with a
+`resident` budget (the CPU) they are evicted before a block never written is taken, once that
+many blocks have been written: the pool's pages are committed as its blocks are first written,
+and a cache that always took fresh blocks first grew a CPU server by the whole pool.
 
 Speculation is "reserve n slots, then commit m of them": `reserve` makes the block table cover
 the slots a step will write; `commit` records how many of them became real tokens, hashes blocks
@@ -17,10 +20,16 @@ from specdec.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 resident: int | None = None):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
+        # Blocks that may be written before cached ones are recycled rather than a fresh one
+        # taken (None: no limit). Requests never wait for it: with nothing cached, fresh
+        # blocks are taken up to the pool.
+        self.resident = num_blocks if resident is None else max(1, min(resident, num_blocks))
+        self.written = 0  # blocks ever taken: ids below it (fresh ones go out in id order)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -52,8 +61,11 @@ class BlockManager:
 
     # -- allocation -----------------------------------------------------------------------
     def _take(self) -> int:
-        if self.free:
+        # The deque's right end holds the blocks freed last, then the fresh ones in id order.
+        if self.free and (self.free[-1] < self.written or not self.cached
+                          or self.written < self.resident):
             b = self.free.pop()
+            self.written = max(self.written, b + 1)
         else:
             b, _ = self.cached.popitem(last=False)
             h = self.block_hash[b]

@@ -65,6 +65,9 @@ class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.85  # fraction of free device memory for KV on CUDA
     cpu_kv_bytes: int = 512 << 20  # KV budget on the CPU (9k tokens of the 1.5b preset)
+    # ... of which cached prefixes keep resident: beyond it the prefix cache recycles its own
+    # blocks before it writes fresh ones (BlockManager.resident; requests may still use all)
+    cpu_kv_resident_bytes: int = 128 << 20
     num_blocks: int | None = None  # explicit override; resolved otherwise
     enable_prefix_caching: bool = True
 

@@ -73,7 +73,7 @@ class LLMEngine:
         self.max_model_len = int(mc.max_model_len or 4096)
         self.runner = ModelRunner(mc, config.cache, attention_backend, config.runtime)
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
-                                   config.cache.enable_prefix_caching)
+                                   config.cache.enable_prefix_caching, self.runner.resident_blocks)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._launched: Launched | None = None  # launched, not committed (see step)
@@ -104,8 +104,8 @@ class LLMEngine:
         mc_kw = {k: kw.pop(k) for k in ("load_format", "max_model_len", "quantization",
                                         "cpu_kernel") if k in kw}
         cc_kw = {k: kw.pop(k) for k in ("block_size", "num_blocks", "cpu_kv_bytes",
-                                        "gpu_memory_utilization", "enable_prefix_caching")
-                 if k in kw}
+                                        "cpu_kv_resident_bytes", "gpu_memory_utilization",
+                                        "enable_prefix_caching") if k in kw}
         sc_kw = {k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_waiting")
                  if k in kw}
         rt_kw = {k: kw.pop(k) for k in ("overlap", "spec_overlap") if k in kw}

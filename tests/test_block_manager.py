@@ -251,3 +251,35 @@ def test_freed_blocks_are_reused_before_untouched_ones():
         used |= set(s.block_table)
         bm.free_seq(s)
     assert len(used) == 3
+
+
+def test_cached_prefixes_keep_to_the_resident_budget_and_requests_may_exceed_it():
+    # With prefix caching every finished prompt's full blocks stay cached; on the CPU a cache
+    # that took fresh blocks first wrote the whole pool (a server grew by 537 MB). With a
+    # resident budget the cache recycles its least recently used blocks once that many blocks
+    # were written; a prompt seen last is still served from the cache.
+    bm = BlockManager(64, 4, resident=10)
+    for i in range(40):
+        s = seq(str(i), [i] * 12)  # three full blocks, distinct per prompt
+        bm.allocate_prefix(s)
+        assert bm.reserve(s, 12)
+        bm.commit(s, 12)
+        bm.free_seq(s)
+    assert bm.written <= 12  # the budget, and the blocks of one prompt past it
+    again = seq("again", [39] * 12 + [1])
+    assert bm.allocate_prefix(again) == 12
+    bm.free_seq(again)
+    # A request larger than the budget still gets every block of the pool.
+    big = seq("big", list(range(256)))
+    bm.allocate_prefix(big)
+    assert bm.reserve(big, 256) and bm.num_free == 0 and bm.written == 64
+    bm.free_seq(big)
+    # Without a budget (a GPU's pool, allocated whole) the cache takes fresh blocks first.
+    un = BlockManager(64, 4)
+    for i in range(10):
+        s = seq(str(i), [i] * 12)
+        un.allocate_prefix(s)
+        un.reserve(s, 12)
+        un.commit(s, 12)
+        un.free_seq(s)
+    assert un.written == 30 and len(un.cached) == 30

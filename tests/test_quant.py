@@ -205,3 +205,33 @@ def test_llama_qk_rows_are_unpermuted_in_every_part(tmp_path: Path) -> None:
     assert name == "model.layers.0.self_attn.q_proj.weight"
     torch.testing.assert_close(qw.dequantize(), fw, rtol=2e-3, atol=2e-3)
     assert qw.rows == heads * head_dim
+
+
+def test_freed_heap_memory_goes_back_to_the_os() -> None:
+    # A GGUF's conversion frees large float buffers that glibc keeps in its heap; the runner
+    # returns them (model_runner.return_freed_memory). Heap memory freed under a live chunk
+    # stays resident until then.
+    import ctypes
+
+    from specdec.model_runner import return_freed_memory
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "malloc_trim"):
+        pytest.skip("no malloc_trim in this C library")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def anon_kb() -> int:
+        line = next(x for x in open("/proc/self/status") if x.startswith("RssAnon:"))
+        return int(line.split()[1])
+
+    chunks = [libc.malloc(4000) for _ in range(40_000)]  # 160 MB, below the mmap threshold
+    fence = libc.malloc(4000)
+    for c in chunks:
+        ctypes.memset(c, 1, 4000)
+    for c in chunks:
+        libc.free(c)
+    held = anon_kb()
+    assert return_freed_memory()
+    assert held - anon_kb() > 100_000
+    libc.free(fence)
