@@ -195,6 +195,10 @@ def _load(args: argparse.Namespace, progress: Progress) -> Any:
         log.info("step costs measured in %.1f s", time.monotonic() - t0)
     progress.enter("warming up")
     engine.warm_up()
+    if engine.runner.device.type == "cpu":
+        from specdec.model_runner import return_freed_memory
+
+        return_freed_memory()  # what loading, calibrating and warming up freed
     return engine
 
 
