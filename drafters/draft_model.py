@@ -24,7 +24,8 @@ from drafters.base import Drafter, DraftRequest, Option, register
 from drafters.tree import DraftTree
 from specdec.block_manager import BlockManager
 from specdec.config import CacheConfig, ModelConfig, RuntimeConfig, resolve_model_config
-from specdec.model_runner import ModelRunner, return_freed_memory
+from specdec.model_runner import ModelRunner
+from specdec.models.heap import release_freed_memory
 from specdec.sampler import argmax_rows, host_to_device, process_logits
 from specdec.sequence import Sequence
 from specdec.step_inputs import Segment
@@ -76,7 +77,11 @@ class DraftModelDrafter(Drafter):
             self.reduce_vocabulary(draft_vocab_ids(special_token_ids(mc.path), DRAFT_VOCAB))
         self.blocks = BlockManager(self.runner.num_blocks, draft_cache.block_size, False)
         if self.runner.device.type == "cpu":
-            return_freed_memory()  # the reduced head's conversion too
+            # The reduced head's conversion too; a draft model built on a first request (the
+            # Python API) gets no other: with it loaded, 48 prompts in, a process held 2.92 GB
+            # without this and 2.25 GB with it (bench/results/
+            # cpu_rss_inprocess_20261207_spec_untrimmed.log, _spec.log).
+            release_freed_memory()
         self.last_catch_up = 0  # tokens fed before the first draft of the last proposal
         self._seqs: dict[str, Sequence] = {}
         self._start: dict[str, int] = {}  # the sequence position its draft state starts at

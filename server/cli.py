@@ -196,9 +196,9 @@ def _load(args: argparse.Namespace, progress: Progress) -> Any:
     progress.enter("warming up")
     engine.warm_up()
     if engine.runner.device.type == "cpu":
-        from specdec.model_runner import return_freed_memory
+        from specdec.models.heap import release_freed_memory
 
-        return_freed_memory()  # what loading, calibrating and warming up freed
+        release_freed_memory()  # what calibrating and warming up freed
     return engine
 
 

@@ -6,7 +6,6 @@ tensors); `execute` runs them eagerly or through a CUDA graph bucket.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 
@@ -52,21 +51,6 @@ def _kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
-def return_freed_memory() -> bool:
-    """Give the C heap's free pages back to the OS (glibc's `malloc_trim`; False where there is
-    none). Converting a GGUF's tensors frees float buffers of tens of MB, and glibc, whose mmap
-    threshold rises as such buffers are freed, keeps later ones in its heap: with the 0.5b
-    draft model loaded, 48 prompts in, a process held 2.92 GB without this and 2.25 GB with it
-    (bench/results/cpu_rss_inprocess_20261207_spec_untrimmed.log, _spec.log)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
-    return True
-
-
 class ModelRunner:
     def __init__(self, mc: ModelConfig, cc: CacheConfig, attention_backend: str = "auto",
                  runtime: RuntimeConfig | None = None):
@@ -86,8 +70,6 @@ class ModelRunner:
         self.kv = _kv_cache((mc.num_layers, 2, self.num_blocks, cc.block_size, mc.num_kv_heads,
                              mc.head_dim), self.dtype, self.device)
         self.backend = get_attention_backend(attention_backend, self.device, mc.cpu_kernel)
-        if self.device.type == "cpu":
-            return_freed_memory()
         self.vocab_size = mc.vocab_size
         # --- CUDA graphs: CUDA with the Triton backend only; None keeps every step eager. ---
         self.graphs = None

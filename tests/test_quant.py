@@ -208,12 +208,12 @@ def test_llama_qk_rows_are_unpermuted_in_every_part(tmp_path: Path) -> None:
 
 
 def test_freed_heap_memory_goes_back_to_the_os() -> None:
-    # A GGUF's conversion frees large float buffers that glibc keeps in its heap; the runner
-    # returns them (model_runner.return_freed_memory). Heap memory freed under a live chunk
-    # stays resident until then.
+    # A GGUF's conversion frees large float buffers that glibc keeps in its heap; loading
+    # returns them (specdec/models/heap.py). Heap memory freed under a live chunk stays
+    # resident until then.
     import ctypes
 
-    from specdec.model_runner import return_freed_memory
+    from specdec.models.heap import trim_heap
 
     libc = ctypes.CDLL(None)
     if not hasattr(libc, "malloc_trim"):
@@ -232,6 +232,6 @@ def test_freed_heap_memory_goes_back_to_the_os() -> None:
     for c in chunks:
         libc.free(c)
     held = anon_kb()
-    assert return_freed_memory()
+    trim_heap()
     assert held - anon_kb() > 100_000
     libc.free(fence)
