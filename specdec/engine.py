@@ -221,11 +221,18 @@ class LLMEngine:
         costs = self.drafting.controller.costs
         max_rows = self.config.scheduler.max_num_batched_tokens
         curve = calibrate_runner(self.runner, max_rows, costs.calibrate)
+        runners = [self.runner]
         for drafter in list(self.drafting.drafters.values()):
             runner = getattr(drafter, "runner", None)
             if isinstance(runner, ModelRunner) and not drafter.proposes_by_lookup:
                 calibrate_runner(runner, max_rows,
                                  functools.partial(costs.calibrate_drafter, drafter.name))
+                runners.append(runner)
+        if self.blocks.num_used == 0 and not self.blocks.cached:
+            # What the timed passes wrote across the pools holds nothing anyone reads (a draft
+            # model's pool has no cache, and no request has started).
+            for runner in runners:
+                runner.release_kv_pages()
         return curve
 
     def warm_up(self) -> None:

@@ -41,14 +41,16 @@ def get_attention_backend(name: str, device: torch.device, cpu_kernel: str = "au
                      "or 'auto'")
 
 
-def _kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV cache. On the CPU its pages come from an anonymous mapping, which the OS
-    zero-fills on first touch, so memory is committed as blocks are used, not all at start."""
+def _kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+              ) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """A zeroed KV cache. On the CPU its pages come from an anonymous mapping (returned too),
+    which the OS zero-fills on first touch, so memory is committed as blocks are used, not all
+    at start."""
     if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device), None
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     buf = mmap.mmap(-1, nbytes)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
+    return torch.frombuffer(buf, dtype=dtype).view(shape), buf
 
 
 class ModelRunner:
@@ -67,8 +69,9 @@ class ModelRunner:
         # pool's pages are committed as its blocks are first written. CUDA's is allocated whole.
         self.resident_blocks = (None if self.device.type == "cuda" else max(
             1, cc.cpu_kv_resident_bytes // kv_bytes_per_block(mc, cc.block_size)))
-        self.kv = _kv_cache((mc.num_layers, 2, self.num_blocks, cc.block_size, mc.num_kv_heads,
-                             mc.head_dim), self.dtype, self.device)
+        self.kv, self._kv_map = _kv_cache((mc.num_layers, 2, self.num_blocks, cc.block_size,
+                                           mc.num_kv_heads, mc.head_dim), self.dtype,
+                                          self.device)
         self.backend = get_attention_backend(attention_backend, self.device, mc.cpu_kernel)
         self.vocab_size = mc.vocab_size
         # --- CUDA graphs: CUDA with the Triton backend only; None keeps every step eager. ---
@@ -85,6 +88,16 @@ class ModelRunner:
             # Compiles the compaction kernel now, not inside the first step that accepts a
             # side branch of a tree (a slot onto itself changes nothing).
             self.move_kv([0], [0])
+
+    def release_kv_pages(self) -> bool:
+        """On the CPU, hand every written page of the KV pool back to the OS, its contents
+        zeros again; for a pool no block holds anything in (the caller's to know). The
+        step-cost calibration writes timed sequences across the pool: on a fresh start of the
+        default server, 338 MB of the target's and the draft model's pools."""
+        if self._kv_map is None or not hasattr(mmap, "MADV_REMOVE"):
+            return False
+        self._kv_map.madvise(mmap.MADV_REMOVE)
+        return True
 
     def _budget_blocks(self, mc: ModelConfig, cc: CacheConfig) -> int:
         per_block = kv_bytes_per_block(mc, cc.block_size)

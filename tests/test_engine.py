@@ -279,3 +279,21 @@ def test_a_chain_stopped_short_is_judged_at_the_depth_it_was_asked_for(tiny_llam
             depths = ctl.stats["draft_model"].depths
             assert depths[4] > sum(depths.values()) / 2
     assert est[1.0] < 0.1 < est[0.0]
+
+
+def test_the_cpu_kv_pool_hands_written_pages_back(tiny_llama, reference):
+    # The step-cost calibration writes timed sequences across the pool; with no block in use
+    # the engine gives those pages back (ModelRunner.release_kv_pages) and the cache reads as
+    # zeros, which no block's owner can tell: outputs stay the same.
+    def shmem_kb() -> int:
+        line = next(x for x in open("/proc/self/status") if x.startswith("RssShmem:"))
+        return int(line.split()[1])
+
+    llm = plain(tiny_llama)
+    kv = llm.engine.runner.kv
+    kv.fill_(1.0)
+    written = shmem_kb()
+    assert llm.engine.runner.release_kv_pages()
+    assert written - shmem_kb() > kv.numel() * 4 // 1024 // 2
+    assert not kv.any()
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
