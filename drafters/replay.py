@@ -230,13 +230,15 @@ class ReplayDrafter(Drafter):
             at = len(r.tokens) - cur.prompt_len
             for d in range(min(r.k, r.max_nodes)):
                 t = truth[d] if d < nt else None
-                if profile and t is not None:
+                rate = rates[min(d, len(rates) - 1)]
+                if t is None:
+                    bad = True
+                elif profile:
                     n = cur.tries.get(at + d, 0)
                     cur.tries[at + d] = n + 1
-                    u = _common_draw(cur.key, at + d, n)
+                    bad = _common_draw(cur.key, at + d, n) < rate
                 else:
-                    u = 0.0 if t is None else rand()
-                bad = t is None or u < rates[min(d, len(rates) - 1)]
+                    bad = rand() < rate
                 tokens.append(other(t, rng, ()) if bad else t)
             return tokens, list(range(-1, len(tokens) - 1))
         tokens: list[int] = []

@@ -16,9 +16,9 @@ from pathlib import Path
 
 def rss(tag: str) -> None:
     fields = {k: v.strip() for k, v in (line.split(":", 1) for line in open("/proc/self/status"))}
-    print(f"{tag}: VmRSS {fields['VmRSS']} (anonymous {fields['RssAnon']}, file "
-          f"{fields['RssFile']}: the GGUF's embedding rows read so far), VmHWM {fields['VmHWM']}",
-          flush=True)
+    print(f"{tag}: VmRSS {fields['VmRSS']} (anonymous {fields['RssAnon']}; file-backed "
+          f"{fields['RssFile']}: libraries and the GGUF's embedding rows read so far; shared "
+          f"{fields['RssShmem']}: the KV pools), VmHWM {fields['VmHWM']}", flush=True)
 
 
 def main() -> None:
