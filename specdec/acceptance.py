@@ -186,9 +186,14 @@ class Evidence:
             own = self.seqs[key] = Acceptance(
                 prior_weight=PRIOR_WEIGHT_NEW if firm else PRIOR_WEIGHT)
         own.observe(depth, accepted, step, drafted)
-        profile = self.drafters.setdefault(method, Acceptance(DRAFTER_DECAY))
+        profile = self.drafters.get(method)
+        if profile is None:
+            profile = self.drafters[method] = Acceptance(DRAFTER_DECAY)
         profile.observe(depth, accepted, drafted=drafted)
-        self.shares.setdefault(key, Share()).add(profile, depth, accepted, drafted)
+        share = self.shares.get(key)
+        if share is None:
+            share = self.shares[key] = Share()
+        share.add(profile, depth, accepted, drafted)
 
     def survival(self, request_id: str, method: str, k: int, prior: list[float], step: int,
                  fade: bool) -> list[float]:

@@ -365,7 +365,9 @@ class Drafting:
     def record(self, r: Request, drafted: int, accepted: int, emitted: int, depth: int) -> None:
         method = (r.active or r.spec).method
         r.metrics.record(drafted, accepted, emitted, depth)
-        tot = self.totals.setdefault(method, SpecMetrics(method=method))
+        tot = self.totals.get(method)
+        if tot is None:
+            tot = self.totals[method] = SpecMetrics(method=method)
         tot.record(drafted, accepted, emitted, depth)
         # A chain its drafter stopped short (a draft model's `p_min`) is judged at the depth it
         # was asked for: the positions it did not draft count as offered and rejected, since

@@ -158,7 +158,9 @@ class SpeculationController:
         self.evidence.observe(request_id, method, depth, accepted, self._step, drafted,
                               firm=method in self.costs.draft_calibration)
         pending = self._pending.pop(request_id, None)
-        st = self.stats.setdefault(method, ControlStats())
+        st = self.stats.get(method)
+        if st is None:
+            st = self.stats[method] = ControlStats()
         st.depths[depth] += 1
         st.steps += 1
         st.emitted_tokens += emitted
