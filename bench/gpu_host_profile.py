@@ -10,6 +10,20 @@ import torch
 from gpu_setup import log
 
 
+def wrap_timed(obj, name: str, key: str, acc: dict[str, float]):
+    """obj.name, timed: each call's seconds added to acc[key]. Returns the original."""
+    fn = getattr(obj, name)
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
+    setattr(obj, name, timed)
+    return fn
+
+
 def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> dict:
     """Where a speculative step's host time goes, once every request has its first token
     (untimed run): per step, milliseconds in each engine phase, then a cProfile of the same
@@ -28,16 +42,7 @@ def host_profile(engine, prompts, spec: dict, max_tokens: int, path: Path) -> di
     patched = []
 
     def wrap(obj, name: str, key: str) -> None:
-        fn = getattr(obj, name)
-        patched.append((obj, name, fn))
-
-        def timed(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
-        setattr(obj, name, timed)
+        patched.append((obj, name, wrap_timed(obj, name, key, acc)))
 
     wrap(Verdict, "read", "read_back")
     # The device's idle gap: from a verdict's read-back to the next pass's replay.

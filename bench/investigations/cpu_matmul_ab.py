@@ -6,10 +6,12 @@ passes per row count, 2 threads.
     git show 9084426~1:specdec/cpu_kernels/quant_matmul.c > /tmp/old.c
     python bench/investigations/cpu_matmul_ab.py old,/tmp/old.c \
         new,specdec/cpu_kernels/quant_matmul.c
-A variant is NAME,SOURCE[,extra compiler flags...].
+A variant is NAME,SOURCE[,extra compiler flags...]. With `--draft-stack` first: the 0.5b
+draft model's 24 layers of int4 matmuls instead, as one stack (`bench_draft_stack`).
 """
 
 import ctypes
+import statistics
 import subprocess
 import sys
 import time
@@ -56,12 +58,51 @@ def bench(variants: dict[str, ctypes.CDLL], kind: int, n: int, k: int, copies: i
               + " ".join(f"{r}:{best[v, r] * 1e3:.3f}" for r in ROWS))
 
 
+def bench_draft_stack(variants: dict[str, ctypes.CDLL], passes: int = 40) -> None:
+    """The 0.5b draft model's 24 layers of int4 matmuls (q, k and v in one call, o, gate and
+    up in one, down) back to back, each layer its own weights (183 MB: they stream from
+    memory), at 1 and 5 rows: the fastest and the median of `passes` whole stacks per variant,
+    the variants taking turns stack by stack."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]
+    layers = [[(n, k, torch.randint(0, 256, ((n // 16) * (k // 32) * 256,), dtype=torch.uint8,
+                                    generator=gen),
+                (torch.rand((n // 16) * (k // 32) * 16, generator=gen) * 0.01).half())
+               for n, k in shapes] for _ in range(24)]
+    rows = (1, 5)
+    xs = {(r, k): (torch.randint(-127, 128, (r, k), dtype=torch.int8, generator=gen),
+                   torch.rand(r, k // 32), torch.rand(r, k // 32))
+          for r in rows for k in (896, 4864)}
+    ys = {r: torch.empty(r, 9728) for r in rows}
+    times = {(v, r): [] for v in variants for r in rows}
+    for _ in range(passes):
+        for v, lib in variants.items():
+            for r in rows:
+                t = time.perf_counter()
+                for layer in layers:
+                    for n, k, qs, d in layer:
+                        xq, xd, xs_ = xs[r, k]
+                        lib.sd_q4_matmul(xq.data_ptr(), xd.data_ptr(), xs_.data_ptr(), r, k,
+                                         qs.data_ptr(), d.data_ptr(), d.data_ptr(), None, n,
+                                         ys[r].data_ptr(), n, 1)
+                times[v, r].append(time.perf_counter() - t)
+    for v in variants:
+        print(f"{v:8s} draft stack (24 layers, q4) ms by rows: " + " ".join(
+            f"{r}: best {min(times[v, r]) * 1e3:.3f} median "
+            f"{statistics.median(times[v, r]) * 1e3:.3f}" for r in rows))
+
+
 def main() -> None:
+    args = sys.argv[1:]
+    stack = args[:1] == ["--draft-stack"]
     variants = {}
-    for spec in sys.argv[1:]:
+    for spec in args[1:] if stack else args:
         name, src, *extra = spec.split(",")
         variants[name] = make(name, src, extra)
     torch.set_num_threads(2)
+    if stack:
+        bench_draft_stack(variants)
+        return
     bench(variants, 4, 17920, 1536, 3)
     bench(variants, 8, 17920, 1536, 2)
     bench(variants, 4, 1536, 8960, 6)

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_host_profile import wrap_timed
 from gpu_setup import make_model_dir
 from host_step import TINY
 
@@ -33,6 +34,28 @@ PHASES = [("committer", "commit", "commit"), ("drafting", "record", "  record"),
           ("scheduler", "schedule", "schedule"), ("drafting", "propose", "propose"),
           ("runner", "execute", "execute"), ("outputs", "build", "outputs"),
           ("chainer", "qualifies", "qualifies")]
+
+
+def wrap_phases(eng, engine_module, phases, acc: dict[str, float]) -> None:
+    """Every (engine attribute, method, name) of `phases`, and the engine's segments and
+    verification, timed into acc."""
+    for attr, name, key in phases:
+        wrap_timed(getattr(eng, attr), name, key, acc)
+    wrap_timed(engine_module, "plan_segments", "segments", acc)
+    wrap_timed(engine_module, "verify_step", "verify_step", acc)
+
+
+def decode_steps(eng, acc: dict[str, float]) -> tuple[int, float]:
+    """Run the engine's requests to their end: their prefills first, then, with acc cleared,
+    their decode steps; (steps, seconds) of those."""
+    while eng.scheduler.waiting or any(s.in_prefill for s in eng.scheduler.running):
+        eng.step()
+    acc.clear()
+    steps, t0 = 0, time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    return steps, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -57,22 +80,7 @@ def main() -> None:
         replay.record(p, o.token_ids)
     eng = llm.engine
     acc: dict[str, float] = {}
-
-    def wrap(obj, name: str, key: str) -> None:
-        fn = getattr(obj, name)
-
-        def timed(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
-        setattr(obj, name, timed)
-
-    for attr, name, key in PHASES:
-        wrap(getattr(eng, attr), name, key)
-    wrap(engine_module, "plan_segments", "segments")
-    wrap(engine_module, "verify_step", "verify_step")
+    wrap_phases(eng, engine_module, PHASES, acc)
     res: dict = {"batch": args.batch, "k": args.k, "survival": SURVIVAL, "modes": {}}
     specs = {"plain": {"method": "none"},
              "drafted": {"method": "replay", "num_speculative_tokens": args.k,
@@ -84,14 +92,7 @@ def main() -> None:
                                     speculative=spec)
             for i, p in enumerate(prompts):
                 eng.add_request(f"{mode}-{time.monotonic()}-{i}", p, params)
-            while eng.scheduler.waiting or any(s.in_prefill for s in eng.scheduler.running):
-                eng.step()
-            acc.clear()
-            steps, t0 = 0, time.perf_counter()
-            while eng.has_unfinished():
-                eng.step()
-                steps += 1
-            total = time.perf_counter() - t0
+            steps, total = decode_steps(eng, acc)
             if best is None or total < best[0]:
                 best = (total, steps, dict(acc))
         total, steps, parts = best
