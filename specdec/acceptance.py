@@ -186,14 +186,22 @@ class Evidence:
             own = self.seqs[key] = Acceptance(
                 prior_weight=PRIOR_WEIGHT_NEW if firm else PRIOR_WEIGHT)
         own.observe(depth, accepted, step, drafted)
-        profile = self.drafters.get(method)
-        if profile is None:
-            profile = self.drafters[method] = Acceptance(DRAFTER_DECAY)
-        profile.observe(depth, accepted, drafted=drafted)
+        profile = self.observe_profile(method, depth, accepted, drafted)
         share = self.shares.get(key)
         if share is None:
             share = self.shares[key] = Share()
         share.add(profile, depth, accepted, drafted)
+
+    def observe_profile(self, method: str, depth: int, accepted: int,
+                        drafted: int | None) -> Acceptance:
+        """A verification counted in its drafter's profile alone: a request whose depth the
+        controller does not choose (its own fixed k) needs no estimate of its own, nor its
+        part of the profile left out of one. Returns the profile."""
+        profile = self.drafters.get(method)
+        if profile is None:
+            profile = self.drafters[method] = Acceptance(DRAFTER_DECAY)
+        profile.observe(depth, accepted, drafted=drafted)
+        return profile
 
     def survival(self, request_id: str, method: str, k: int, prior: list[float], step: int,
                  fade: bool) -> list[float]:

@@ -376,7 +376,8 @@ class Drafting:
         # at the first position where each asked step gave 0.24, and the CPU server drafted it
         # to 0.81-0.92x of plain (bench/results/HISTORY.md, 2026-12-07).
         offered = max(depth, self._asked.pop(r.request_id, 0))
-        self.controller.verified(r.request_id, method, offered, accepted, emitted, depth)
+        self.controller.verified(r.request_id, method, offered, accepted, emitted, depth,
+                                 chosen=r.spec.adaptive)
 
 
 def _depth(parents: list[int]) -> int:

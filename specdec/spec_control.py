@@ -92,7 +92,8 @@ MARGIN = 0.05  # speculation must beat plain decoding's predicted rate by this m
 @dataclass
 class ControlStats:
     """Per drafter: chosen depths, and the tokens the controller predicted against those the
-    verifications emitted (over the steps that drafted with it)."""
+    verifications emitted (over the steps that drafted with it). Its choices only: a
+    request's fixed k is not counted."""
 
     depths: Counter = field(default_factory=Counter)
     predicted_tokens: float = 0.0
@@ -144,10 +145,12 @@ class SpeculationController:
             self.costs.record_draft(method, batch, depth, seconds)
 
     def verified(self, request_id: str, method: str, depth: int, accepted: int,
-                 emitted: int, drafted: int | None = None) -> None:
+                 emitted: int, drafted: int | None = None, chosen: bool = True) -> None:
         """A verification of `request_id`'s draft from `method`: `depth` deep (the depth it was
         asked for; `drafted`, the tree's depth, where the drafter stopped short), `accepted`
-        of them accepted, `emitted` tokens out. A request's estimate holds
+        of them accepted, `emitted` tokens out. Not `chosen`: the request's own fixed k, which
+        its drafter's profile learns from, but which needs no estimate of its own and is
+        nothing for the stats of the controller's choices. A request's estimate holds
         to its drafter's profile more firmly at first (PRIOR_WEIGHT_NEW) where the drafter is a
         model whose pass was calibrated: turned off, it falls behind, restarting it costs a
         catch-up and its evidence stops fading, so one early rejection could keep it off for
@@ -155,6 +158,9 @@ class SpeculationController:
         it is kept plain and starts at PRIOR_WEIGHT (with the firmer prior on the H100, the
         n-gram profile's sequences at batch 1 stayed plain: 1.01x off against 1.69x before,
         `bench/results/gpu_goodput_h100_20261206_prior_b.json`)."""
+        if not chosen:
+            self.evidence.observe_profile(method, depth, accepted, drafted)
+            return
         self.evidence.observe(request_id, method, depth, accepted, self._step, drafted,
                               firm=method in self.costs.draft_calibration)
         pending = self._pending.pop(request_id, None)

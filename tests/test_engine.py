@@ -276,8 +276,9 @@ def test_a_chain_stopped_short_is_judged_at_the_depth_it_was_asked_for(tiny_llam
         ctl = llm.engine.drafting.controller
         est[p_min] = ctl.survival("next", "draft_model", 1)[0]
         if p_min == 1.0:  # asked 4 deep (less at a request's end), drafted none
-            depths = ctl.stats["draft_model"].depths
-            assert depths[4] > sum(depths.values()) / 2
+            profile = ctl.evidence.drafters["draft_model"]
+            assert len(profile.offered) == 4 and profile.offered[3] > profile.offered[0] / 2
+            assert max(profile.reached) == 0.0
     assert est[1.0] < 0.1 < est[0.0]
 
 

@@ -226,6 +226,19 @@ def test_stats_compare_predicted_and_emitted_tokens():
     assert st["predicted_tokens"] == pytest.approx(1 + sum([0.5, 0.25, 0.1, 0.05][:ch.k]))
 
 
+def test_a_fixed_k_teaches_its_drafters_profile_but_is_no_choice_of_the_controller():
+    c = SpeculationController()
+    for _ in range(30):
+        c.verified("fixed", "ngram", 4, 4, 5, chosen=False)  # every draft accepted
+    assert "ngram" not in c.stats  # the controller chose none of them
+    assert ("fixed", "ngram") not in c.evidence.seqs  # no estimate of its own
+    assert c.survival("new", "ngram", 4)[0] > 0.9  # ... but the profile learnt
+    c.record_pass(1, 1.0)
+    ch = c.choose(1, 0, [cand("a", survival=c.survival("a", "ngram", 4))])["a"]
+    c.verified("a", "ngram", ch.k, ch.k, ch.k + 1)
+    assert c.stats["ngram"].steps == 1
+
+
 def test_adaptive_engine_keeps_greedy_output(tiny_llama):
     p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 8, 9]]
