@@ -255,8 +255,9 @@ static void block_avx(int kind, const int8_t *xa, const float *xd, const float *
                 const int8_t *a = xa + (m0 + m) * K + g * GROUP;
                 /* Two chains of 4 (a vpdpbusd waits 4 cycles for its accumulator, and issues
                  * one a cycle: bench/investigations/cpu_vnni_rate.py); integer sums, so the
-                 * same result as one chain of 8. At 3-8 rows 2-6% faster than one chain
-                 * (cpu_matmul_ab.py), the same at one row. */
+                 * same result as one chain of 8. At 5 rows 5-6% faster than one chain, at 8
+                 * 1-5%, the same at one row
+                 * (bench/results/cpu_matmul_ab_20261207_two_chains.txt). */
                 __m512i acc = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
                 for (int r = 0; r < 8; r += 2) {
                     const __m512i x = _mm512_set1_epi32(*(const int32_t *)(a + 4 * r));
