@@ -174,6 +174,12 @@ int sd_amx_enable(void) { return 0; }
 #ifndef PREFETCH
 #define PREFETCH 2048 /* bytes ahead in the weight stream */
 #endif
+#ifndef PREFETCH_HINT
+/* Into L1. Into L2 (_MM_HINT_T1) 8-32 KB ahead read 15-29% faster at one row on lone matrices
+ * (cpu_matmul_ab.py) but made the 1.5b's decode pass 12% slower in the engine
+ * (bench/results/cpu_kernel_ab_model_20261207_prefetch_l2.json). */
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
 #define MB_MAX 8
 
 /* q5: 16 added to each byte of the 8 tile rows whose fifth bit is set. */
@@ -204,7 +210,7 @@ static inline void unit_rows(int kind, const void *unit, __m512i w[8]) {
 
 static inline void prefetch_unit(const uint8_t *unit, int64_t bytes) {
     for (int64_t line = 0; line < bytes / 64; line++)
-        _mm_prefetch((const char *)unit + PREFETCH + 64 * line, _MM_HINT_T0);
+        _mm_prefetch((const char *)unit + PREFETCH + 64 * line, PREFETCH_HINT);
 }
 
 static inline __m512 h16(const uint16_t *p) {  /* 16 fp16 values -> floats */
