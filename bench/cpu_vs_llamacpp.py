@@ -17,6 +17,10 @@ the RSS to hold against llama.cpp's target-alone server. With `--passes N` every
 times per engine, the engines taking turns each time, and a prompt's figures are its fastest
 run's: on a machine whose neighbours move one run by 15%, per-prompt ratios need it.
 
+`--isa avx2` runs both engines as on a CPU without AVX-512 (most laptops): llama.cpp's `avx2/`
+build, and specdec with `--cpu-kernel avx2` and PyTorch's own kernels held to AVX2
+(`ATEN_CPU_CAPABILITY=avx2`).
+
     python bench/cpu_vs_llamacpp.py --out bench/results/cpu_vs_llamacpp_$(date +%Y%m%d).json
 """
 
@@ -128,6 +132,8 @@ def main() -> None:
                    help="runs of each prompt per engine, the engines taking turns each time; a "
                         "prompt's figures are its fastest run's (this machine's neighbours "
                         "move one run by 15%%)")
+    p.add_argument("--isa", default="native", choices=["native", "avx2"],
+                   help="avx2: both engines as on a CPU without AVX-512 (see above)")
     a = p.parse_args()
 
     from prompts import humaneval_texts, sharegpt_texts
@@ -143,6 +149,12 @@ def main() -> None:
     dft = cache_root() / "gguf" / PRESETS[draft].gguf_name
     engines = a.engines.split(",")
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    peer, specdec_args = [str(PEER), "llama-server"], a.specdec_args.split()
+    if a.isa == "avx2":
+        build = PEER.parent / "avx2"
+        peer = ["env", f"LD_LIBRARY_PATH={build}", str(build / "llama-server")]
+        specdec_args += ["--cpu-kernel", "avx2"]
+        env["ATEN_CPU_CAPABILITY"] = "avx2"
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     logs = Path(a.out).with_suffix(".servers.log").open("w")
     try:
@@ -162,20 +174,20 @@ def main() -> None:
                 t_start[name] = time.monotonic() - t0
 
         if "llama_plain" in engines:
-            start(["llama_plain"], [str(PEER), "llama-server", "-m", str(tgt), "--port", "8091",
-                                    *common], "http://127.0.0.1:8091")
+            start(["llama_plain"], [*peer, "-m", str(tgt), "--port", "8091", *common],
+                  "http://127.0.0.1:8091")
         if "llama_spec" in engines:
-            start(["llama_spec"], [str(PEER), "llama-server", "-m", str(tgt), "-md", str(dft),
+            start(["llama_spec"], [*peer, "-m", str(tgt), "-md", str(dft),
                                    "--draft-max", str(a.draft_max), "--port", "8092", *common],
                   "http://127.0.0.1:8092")
         if any(e in engines for e in ("specdec_plain", "specdec_spec")):
             start(["specdec_plain", "specdec_spec"],
                   [sys.executable, "-m", "specdec.cli", "serve", "--model", a.target, "--port",
-                   "8093", *a.specdec_args.split()], "http://127.0.0.1:8093")
+                   "8093", *specdec_args], "http://127.0.0.1:8093")
         if "specdec_plain_only" in engines:  # no draft model loaded: RSS against llama_plain
             start(["specdec_plain_only"],
                   [sys.executable, "-m", "specdec.cli", "serve", "--model", a.target, "--port",
-                   "8094", "--speculative", "none", *a.specdec_args.split()],
+                   "8094", "--speculative", "none", *specdec_args],
                   "http://127.0.0.1:8094")
         texts = (humaneval_texts if a.dataset == "humaneval" else sharegpt_texts)(a.prompts)
         results: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
@@ -244,7 +256,9 @@ def main() -> None:
         same = sum(x["text"] == y["text"] for x, y in zip(results["llama_plain"],
                                                           results["specdec_plain"]))
     out = {
-        "what": f"bench/cpu_vs_llamacpp.py: {a.dataset} prompts, greedy, forced length, batch 1",
+        "what": f"bench/cpu_vs_llamacpp.py: {a.dataset} prompts, greedy, forced length, batch 1"
+                + (", both engines as on an AVX2-only CPU (--isa avx2)" if a.isa == "avx2" else ""),
+        "isa": a.isa,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True, cwd=REPO).stdout.strip(),

@@ -37,7 +37,7 @@ def add_weight_args(p: argparse.ArgumentParser) -> None:
                         "'int4'/'int8' converts every weight to that kind, 'none' dequantizes "
                         "to --dtype (the exact float path)")
     p.add_argument("--cpu-kernel", default="auto",
-                   choices=["auto", "portable", "avx512", "amx"],
+                   choices=["auto", "portable", "avx2", "avx512", "amx"],
                    help="CPU kernels for quantized weights and attention; 'auto' times them "
                         "on first use (all give identical results)")
 

@@ -30,7 +30,8 @@ class ModelConfig:
     # "none" | "auto" | "int4" | "int8" by resolve_model_config.
     quantization: str = "auto"
     # CPU kernels for quantized weights and attention: "auto" (the fastest measured per row
-    # count), or one of "portable", "avx512", "amx" (identical results; a test forces them).
+    # count), or one of "portable", "avx2", "avx512", "amx" (identical results; a test forces
+    # them).
     cpu_kernel: str = "auto"
     # Filled in by resolve_config:
     path: str | None = None  # resolved local HF-style directory

@@ -12,6 +12,7 @@ import torch
 from specdec.cpu_kernels.build import available_paths
 from specdec.models.gguf_weights import DIRECT, GGUFTensor, load_tensors
 from specdec.models.quant_linear import (
+    GROUP,
     QuantLinear,
     QuantWeight,
     embed_rows,
@@ -70,6 +71,32 @@ def test_quant_matmul_matches_reference_on_every_path(kind: str, affine: bool,
         # And close to the unquantized product: activations are quantized to int8 per 32.
         full = x @ w.dequantize().t() + bias
         assert (outs["portable"] - full).abs().max() <= 0.02 * full.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
+def test_quant_matmul_extreme_values_on_every_path(kind: str) -> None:
+    """The largest integer products each kind can hold, against activations at +-127: where a
+    path sums products in 16 bits (avx2) nothing may saturate or wrap."""
+    n, k = 32, 256
+    top = {"q4": 15, "q5": 31}.get(kind)
+    rows = []
+    for sign in (1, -1):
+        if top is not None:
+            rows += [torch.full((k,), top), torch.zeros(k, dtype=torch.int64)]
+        else:
+            rows += [torch.full((k,), -128 if sign > 0 else 127),
+                     torch.tensor([-128, 127] * (k // 2))]
+    q = torch.stack(rows * (n // len(rows)))
+    d = torch.full((n, k // GROUP), 0.01)
+    w = QuantWeight.pack(kind, q, d, None)
+    x = torch.stack([torch.full((k,), 3.0), torch.full((k,), -3.0),
+                     torch.tensor([3.0, -3.0] * (k // 2)), torch.tensor([-3.0, 3.0] * (k // 2))])
+    ref = quant_matmul_ref(x, w)
+    for p in PATHS:
+        got = quant_matmul(x, w, None, path=p)
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item(),
+                                   msg=p)
+        assert torch.equal(got, quant_matmul(x, w, None, path="portable")), p
 
 
 def test_quant_linear_parts_with_padding_keep_their_columns() -> None:

@@ -6,7 +6,9 @@ passes per row count, 2 threads.
     git show 9084426~1:specdec/cpu_kernels/quant_matmul.c > /tmp/old.c
     python bench/investigations/cpu_matmul_ab.py old,/tmp/old.c \
         new,specdec/cpu_kernels/quant_matmul.c
-A variant is NAME,SOURCE[,extra compiler flags...]. With `--draft-stack` first: the 0.5b
+A variant is NAME,SOURCE[,extra compiler flags...]; a first flag `isa=BUILD` (`avx2`,
+`portable`) compiles it with that build's flags instead of the AVX-512 ones. With
+`--draft-stack` first: the 0.5b
 draft model's 24 layers of int4 matmuls instead, as one stack (`bench_draft_stack`).
 """
 
@@ -28,8 +30,12 @@ LAYER_STEP = Path(build.__file__).with_name("layer_step.c")
 
 def make(name: str, src: str, extra: list[str]) -> ctypes.CDLL:
     out = f"/tmp/matmul_ab_{name}.so"
+    flags = FLAGS
+    if extra and extra[0].startswith("isa="):
+        flags = [*FLAGS[:4], *build._FLAGS[extra[0][4:]]]
+        extra = extra[1:]
     # The kernels' headers are found beside them, wherever the variant's source lies.
-    subprocess.run([build._compiler(), *FLAGS, f"-I{LAYER_STEP.parent}", *extra, src,
+    subprocess.run([build._compiler(), *flags, f"-I{LAYER_STEP.parent}", *extra, src,
                     str(LAYER_STEP), "-o", out, "-lm"], check=True)
     return build._argtypes(ctypes.CDLL(out))
 

@@ -41,8 +41,10 @@
 #include "fixed_math.h"
 #include "quant_matmul.h"
 
-#ifdef SD_AVX512
+#if defined(SD_AVX512) || defined(SD_AVX2)
 #include <immintrin.h>
+#endif
+#ifdef SD_AVX512
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -158,11 +160,169 @@ static void block_portable(int kind, const int8_t *xq, const float *xd, const fl
 
 static int use_amx(int64_t M) { (void)M; return 0; }
 
+#ifdef SD_AVX2
+/* ---- AVX2 (+ FMA, F16C): CPUs without AVX-512, most laptops' among them ----
+ *
+ * A unit's tile row is 64 bytes, two 256-bit halves: weight rows 0-7 and 8-15, each half its own
+ * 8 float accumulators per activation row. Activations come spread (spread_rows: each tile row's
+ * 4 bytes repeated across a register, built once a call), rows two at a time, each tile row
+ * unpacked once and used at once by both, so that what stays live fits the 16 registers (with
+ * the accumulators on the stack, a decode step of the 1.5b took 51 ms against 40 with them in
+ * registers: bench/investigations/cpu_kernel_ab_model.py). vpmaddubsw multiplies unsigned by
+ * signed bytes, summing pairs into int16, and
+ * vpmaddwd by ones sums those into int32: the VNNI step in two instructions. Its int16 sums must
+ * not saturate: a q4 pair is at most 2 * 15 * 127 = 3810, so all 8 tile rows' pairs add up in
+ * int16 (30480); a q5 pair 7874, 4 of them (31496); a q8 weight row is signed, so it is taken
+ * as |w| (unsigned) against the activation given w's sign (vpsignb), a pair at most
+ * 2 * 128 * 127 = 32512, each widened on its own. The integer dot products are exact, then the
+ * float operations are block_portable's, in its order: the same results as every other path. */
+static inline __m256 h8(const uint16_t *p) {  /* 8 fp16 values -> floats */
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* Byte c (0..31) all ones where bit c of m is set. */
+static inline __m256i bit_bytes(uint32_t m) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), spread);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+/* The fifth bits of tile row r's half h (q5): 16 where set, else 0. */
+static inline __m256i fifth_bits(const uint8_t *unit, int r, int h) {
+    uint32_t m;
+    memcpy(&m, unit + 256 + 8 * r + 4 * h, 4);
+    return _mm256_and_si256(bit_bytes(m), _mm256_set1_epi8(16));
+}
+
+/* MB activation rows' integer dot products with half h of a unit: acc[m] gets 8 int32, one a
+ * weight row. xb: row 0's group as spread_rows lays it out (tile row r's 4 bytes repeated at
+ * 32 r), row m's K * 8 bytes further on. Each tile row is unpacked once and used at once by
+ * every row, so few registers stay live. */
+static inline __attribute__((always_inline)) void dot_half(
+        const int kind, const int MB, const uint8_t *unit, int h, const int8_t *xb, int64_t K,
+        __m256i acc[2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+#define X(m, r) _mm256_load_si256((const __m256i *)(xb + (m) * K * 8 + 32 * (r)))
+    if (kind == 8) {
+        for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_si256();
+        for (int r = 0; r < 8; r++) {
+            const __m256i sw = _mm256_loadu_si256((const __m256i *)(unit + 64 * r + 32 * h));
+            const __m256i aw = _mm256_abs_epi8(sw);
+            for (int m = 0; m < MB; m++)
+                acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(aw, _mm256_sign_epi8(X(m, r), sw)), ones));
+        }
+        return;
+    }
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    __m256i s[2];
+    for (int m = 0; m < MB; m++) s[m] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(unit + 64 * j + 32 * h));
+        __m256i w0 = _mm256_and_si256(v, nib), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        if (kind == 5) {
+            w0 = _mm256_add_epi8(w0, fifth_bits(unit, 2 * j, h));
+            w1 = _mm256_add_epi8(w1, fifth_bits(unit, 2 * j + 1, h));
+        }
+        for (int m = 0; m < MB; m++) {
+            const __m256i p0 = _mm256_maddubs_epi16(w0, X(m, 2 * j));
+            const __m256i p1 = _mm256_maddubs_epi16(w1, X(m, 2 * j + 1));
+            s[m] = _mm256_add_epi16(s[m], _mm256_add_epi16(p0, p1));
+        }
+        if (kind == 5 && j == 1)  /* 4 tile rows: as far as q5's pairs may add up in int16 */
+            for (int m = 0; m < MB; m++) {
+                acc[m] = _mm256_madd_epi16(s[m], ones);
+                s[m] = _mm256_setzero_si256();
+            }
+    }
+    for (int m = 0; m < MB; m++)
+        acc[m] = kind == 5 ? _mm256_add_epi32(acc[m], _mm256_madd_epi16(s[m], ones))
+                           : _mm256_madd_epi16(s[m], ones);
+#undef X
+}
+
+/* x [M, K] int8 -> [M, K / 4, 32]: each 4 bytes (a tile row's activations) repeated 8 times,
+ * what vpmaddubsw takes against a tile row's half; built once a call, read by every block. */
+static int8_t *spread_rows(const int8_t *x, int64_t M, int64_t K) {
+    int8_t *out = aligned_alloc(32, (size_t)(M * K * 8));
+    if (out == NULL) abort();
+    for (int64_t i = 0; i < M * K / 4; i++) {
+        int32_t v;
+        memcpy(&v, x + 4 * i, 4);
+        _mm256_store_si256((__m256i *)(out + 32 * i), _mm256_set1_epi32(v));
+    }
+    return out;
+}
+
+/* MB (1 or 2) rows of xb (laid out by spread_rows) against row block nb: both halves of each
+ * unit in turn, each row's two accumulators (8 outputs each) in registers. Inlined with kind and
+ * MB constant (block_avx2's cases). */
+static inline __attribute__((always_inline)) void block_avx2_rows(
+        const int kind, const int MB, const int8_t *xb, const float *xd, const float *xs,
+        int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
+        int64_t nb, float *y, int64_t ldy) {
+    const int64_t G = K / GROUP, ub = unit_bytes(kind);
+    __m256 fa[2][2];
+    for (int m = 0; m < MB; m++) fa[m][0] = fa[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t u = nb * G + g;
+        const uint8_t *unit = (const uint8_t *)qs + u * ub;
+        for (int64_t line = 0; line < ub / 64; line++)
+            _mm_prefetch((const char *)unit + 2048 + 64 * line, _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256i dot[2];
+            dot_half(kind, MB, unit, h, xb + g * 256, K, dot);
+            const __m256 d8 = h8(d + u * 16 + 8 * h);
+            const __m256 mn8 = mn ? h8(mn + u * 16 + 8 * h) : _mm256_setzero_ps();
+            for (int m = 0; m < MB; m++) {
+                fa[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(
+                    d8, _mm256_set1_ps(xd[m * G + g])), fa[m][h]);
+                if (mn) fa[m][h] = _mm256_fmadd_ps(mn8, _mm256_set1_ps(xs[m * G + g]), fa[m][h]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int h = 0; h < 2; h++) {
+            float *out = y + m * ldy + nb * 16 + 8 * h;
+            _mm256_storeu_ps(out, bias ? _mm256_add_ps(
+                fa[m][h], _mm256_loadu_ps(bias + nb * 16 + 8 * h)) : fa[m][h]);
+        }
+}
+
+#define ROWS_AVX2(KIND, MB) \
+    block_avx2_rows(KIND, MB, xb + m0 * K * 8, xd + m0 * G, xs + m0 * G, K, qs, d, mn, bias, nb, \
+                    y + m0 * ldy, ldy)
+
+/* M rows of xb (laid out by spread_rows) against row block nb, two at a time. */
+static void block_avx2(int kind, const int8_t *xb, const float *xd, const float *xs, int64_t M,
+                       int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
+                       const float *bias, int64_t nb, float *y, int64_t ldy) {
+    const int64_t G = K / GROUP;
+    for (int64_t m0 = 0; m0 < M; m0 += 2) {
+        const int two = M - m0 >= 2;
+        if (kind == 4) {
+            if (two) ROWS_AVX2(4, 2); else ROWS_AVX2(4, 1);
+        } else if (kind == 5) {
+            if (two) ROWS_AVX2(5, 2); else ROWS_AVX2(5, 1);
+        } else {
+            if (two) ROWS_AVX2(8, 2); else ROWS_AVX2(8, 1);
+        }
+    }
+}
+#undef ROWS_AVX2
+#endif /* SD_AVX2 */
+
 static void block_rows(int kind, const int8_t *xq, const float *xd, const float *xs, int64_t M,
                        int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
                        const float *bias, int64_t nb, float *y, int64_t ldy, int amx) {
     (void)amx;
+#ifdef SD_AVX2
+    block_avx2(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);  /* xq spread (matmul) */
+#else
     block_portable(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);
+#endif
 }
 
 static int offset_q8(int kind, int path, int amx) { (void)kind; (void)path; (void)amx; return 0; }
@@ -374,8 +534,13 @@ static int offset_q8(int kind, int path, int amx) { return kind == 8 && path != 
 
 #endif /* SD_AVX512 */
 
-/* Activation rows per pass over the weights: their int8 copies stay in the L2 cache. */
+/* Activation rows per pass over the weights: their int8 copies stay in the L2 cache (spread
+ * to 8 bytes a value for AVX2). */
+#ifdef SD_AVX2
+#define M_CHUNK 32
+#else
 #define M_CHUNK 128
+#endif
 
 /* The bytes of one row block of a part (its units, scales and offsets): what a thread streams. */
 static int64_t block_bytes(const sd_part *w, int64_t K) {
@@ -405,6 +570,10 @@ void sd_parts_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t
         const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
         const int amx = path == 2 && use_amx(mc);
         const int8_t *xa = xq + m0 * K;
+        int8_t *spread = NULL;
+#ifdef SD_AVX2
+        if (path != 0) xa = spread = spread_rows(xa, mc, K);
+#endif
         int8_t *offset = NULL;  /* x + 128 as unsigned bytes: one xor per byte */
         if (any_q8 && offset_q8(8, path, amx)) {
             offset = malloc((size_t)(mc * K));
@@ -437,6 +606,7 @@ void sd_parts_matmul(const int8_t *xq, const float *xd, const float *xs, int64_t
             }
         }
         free(offset);
+        free(spread);
     }
 }
 

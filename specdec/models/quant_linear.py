@@ -161,8 +161,9 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
                  path: str = "auto", out: torch.Tensor | None = None, col: int = 0
                  ) -> torch.Tensor:
     """x [M, K] float32 @ w^T (+ bias [N]) -> [M, N] float32, or into columns col:col+N of
-    `out` [M, >= col + N]. `path`: "portable", "avx512", "amx" or "auto" (the fastest measured
-    for this row count, specdec/cpu_kernels/build.py); every path gives the same result."""
+    `out` [M, >= col + N]. `path`: "portable", "avx2", "avx512", "amx" or "auto" (the fastest
+    measured for this row count, specdec/cpu_kernels/build.py); every path gives the same
+    result."""
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == w.k, (x.shape, w.k)
     m = x.shape[0]
     if out is None:
