@@ -165,10 +165,13 @@ static int use_amx(int64_t M) { (void)M; return 0; }
  *
  * A unit's tile row is 64 bytes, two 256-bit halves: weight rows 0-7 and 8-15, each half its own
  * 8 float accumulators per activation row. Activations come spread (spread_rows: each tile row's
- * 4 bytes repeated across a register, built once a call), rows two at a time, each tile row
- * unpacked once and used at once by both, so that what stays live fits the 16 registers (with
- * the accumulators on the stack, a decode step of the 1.5b took 51 ms against 40 with them in
- * registers: bench/investigations/cpu_kernel_ab_model.py). vpmaddubsw multiplies unsigned by
+ * 4 bytes repeated across a register, built once a call), rows up to three at a time, each tile
+ * row unpacked once and used at once by all of them, so that what stays live nearly fits the 16
+ * registers (with the accumulators on the stack, a decode step of the 1.5b took 51 ms against 40
+ * with them in registers: bench/investigations/cpu_kernel_ab_model.py; three rows at a time
+ * rather than two, 3-row passes 5-13% and 5-row passes 4-8% faster on the 1.5b's shapes:
+ * bench/results/cpu_matmul_ab_20261207_avx2_mb3.txt).
+ * vpmaddubsw multiplies unsigned by
  * signed bytes, summing pairs into int16, and
  * vpmaddwd by ones sums those into int32: the VNNI step in two instructions. Its int16 sums must
  * not saturate: a q4 pair is at most 2 * 15 * 127 = 3810, so all 8 tile rows' pairs add up in
@@ -202,7 +205,7 @@ static inline __m256i fifth_bits(const uint8_t *unit, int r, int h) {
  * every row, so few registers stay live. */
 static inline __attribute__((always_inline)) void dot_half(
         const int kind, const int MB, const uint8_t *unit, int h, const int8_t *xb, int64_t K,
-        __m256i acc[2]) {
+        __m256i acc[3]) {
     const __m256i ones = _mm256_set1_epi16(1);
 #define X(m, r) _mm256_load_si256((const __m256i *)(xb + (m) * K * 8 + 32 * (r)))
     if (kind == 8) {
@@ -217,7 +220,7 @@ static inline __attribute__((always_inline)) void dot_half(
         return;
     }
     const __m256i nib = _mm256_set1_epi8(0x0f);
-    __m256i s[2];
+    __m256i s[3];
     for (int m = 0; m < MB; m++) s[m] = _mm256_setzero_si256();
     for (int j = 0; j < 4; j++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(unit + 64 * j + 32 * h));
@@ -256,7 +259,7 @@ static int8_t *spread_rows(const int8_t *x, int64_t M, int64_t K) {
     return out;
 }
 
-/* MB (1 or 2) rows of xb (laid out by spread_rows) against row block nb: both halves of each
+/* MB (1 to 3) rows of xb (laid out by spread_rows) against row block nb: both halves of each
  * unit in turn, each row's two accumulators (8 outputs each) in registers. Inlined with kind and
  * MB constant (block_avx2's cases). */
 static inline __attribute__((always_inline)) void block_avx2_rows(
@@ -264,7 +267,7 @@ static inline __attribute__((always_inline)) void block_avx2_rows(
         int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn, const float *bias,
         int64_t nb, float *y, int64_t ldy) {
     const int64_t G = K / GROUP, ub = unit_bytes(kind);
-    __m256 fa[2][2];
+    __m256 fa[3][2];
     for (int m = 0; m < MB; m++) fa[m][0] = fa[m][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int64_t u = nb * G + g;
@@ -272,7 +275,7 @@ static inline __attribute__((always_inline)) void block_avx2_rows(
         for (int64_t line = 0; line < ub / 64; line++)
             _mm_prefetch((const char *)unit + 2048 + 64 * line, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
-            __m256i dot[2];
+            __m256i dot[3];
             dot_half(kind, MB, unit, h, xb + g * 256, K, dot);
             const __m256 d8 = h8(d + u * 16 + 8 * h);
             const __m256 mn8 = mn ? h8(mn + u * 16 + 8 * h) : _mm256_setzero_ps();
@@ -295,20 +298,22 @@ static inline __attribute__((always_inline)) void block_avx2_rows(
     block_avx2_rows(KIND, MB, xb + m0 * K * 8, xd + m0 * G, xs + m0 * G, K, qs, d, mn, bias, nb, \
                     y + m0 * ldy, ldy)
 
-/* M rows of xb (laid out by spread_rows) against row block nb, two at a time. */
+/* M rows of xb (laid out by spread_rows) against row block nb, three at a time (4 as 2 + 2). */
 static void block_avx2(int kind, const int8_t *xb, const float *xd, const float *xs, int64_t M,
                        int64_t K, const void *qs, const uint16_t *d, const uint16_t *mn,
                        const float *bias, int64_t nb, float *y, int64_t ldy) {
     const int64_t G = K / GROUP;
-    for (int64_t m0 = 0; m0 < M; m0 += 2) {
-        const int two = M - m0 >= 2;
+    for (int64_t m0 = 0; m0 < M;) {
+        const int64_t left = M - m0;
+        const int mb = left == 4 || left == 2 ? 2 : left >= 3 ? 3 : 1;
         if (kind == 4) {
-            if (two) ROWS_AVX2(4, 2); else ROWS_AVX2(4, 1);
+            if (mb == 3) ROWS_AVX2(4, 3); else if (mb == 2) ROWS_AVX2(4, 2); else ROWS_AVX2(4, 1);
         } else if (kind == 5) {
-            if (two) ROWS_AVX2(5, 2); else ROWS_AVX2(5, 1);
+            if (mb == 3) ROWS_AVX2(5, 3); else if (mb == 2) ROWS_AVX2(5, 2); else ROWS_AVX2(5, 1);
         } else {
-            if (two) ROWS_AVX2(8, 2); else ROWS_AVX2(8, 1);
+            if (mb == 3) ROWS_AVX2(8, 3); else if (mb == 2) ROWS_AVX2(8, 2); else ROWS_AVX2(8, 1);
         }
+        m0 += mb;
     }
 }
 #undef ROWS_AVX2
