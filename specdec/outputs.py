@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -76,3 +77,20 @@ class RequestOutput:
     first_token_time: float | None = None
     stop_reason: str | int | None = None  # see Sequence.stop_reason
     error: str | None = None  # finish reason "error": what failed (Request.fail)
+
+
+@dataclass
+class ControlStats:
+    """Per drafter: chosen depths, and the tokens the controller predicted against those the
+    verifications emitted (over the steps that drafted with it). Its choices only: a
+    request's fixed k is not counted."""
+
+    depths: Counter = field(default_factory=Counter)
+    predicted_tokens: float = 0.0
+    emitted_tokens: int = 0
+    steps: int = 0
+
+    def to_dict(self) -> dict:
+        return {"depth_histogram": {str(k): v for k, v in sorted(self.depths.items())},
+                "predicted_tokens": round(self.predicted_tokens, 3),
+                "emitted_tokens": self.emitted_tokens, "steps": self.steps}

@@ -67,13 +67,13 @@ chosen keeps its state: a draft model catches up on the tokens it missed at its 
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from specdec.acceptance import Evidence, geometric
 from specdec.cost_model import CostModel
 from specdec.depth_plan import Alternative, Candidate, Choice, best_depths, uniform_depths
+from specdec.outputs import ControlStats
 
 PRIOR_ACCEPT = 0.6  # per-position acceptance assumed before any evidence
 # ... for a draft model, which shares the target's tokenizer and mostly its training: on the
@@ -87,23 +87,6 @@ PROBE_MAX = 4 * PROBE_EVERY  # ... at most, where the probes keep finding the sa
 PROBE_START = 0.25  # a probe's catch-up of a drafter behind: at most this share of a period
 TIE = 0.02  # speculative rates this close to the best count as equal (more tokens wins)
 MARGIN = 0.05  # speculation must beat plain decoding's predicted rate by this much
-
-
-@dataclass
-class ControlStats:
-    """Per drafter: chosen depths, and the tokens the controller predicted against those the
-    verifications emitted (over the steps that drafted with it). Its choices only: a
-    request's fixed k is not counted."""
-
-    depths: Counter = field(default_factory=Counter)
-    predicted_tokens: float = 0.0
-    emitted_tokens: int = 0
-    steps: int = 0
-
-    def to_dict(self) -> dict:
-        return {"depth_histogram": {str(k): v for k, v in sorted(self.depths.items())},
-                "predicted_tokens": round(self.predicted_tokens, 3),
-                "emitted_tokens": self.emitted_tokens, "steps": self.steps}
 
 
 class SpeculationController:

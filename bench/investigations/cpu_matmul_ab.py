@@ -8,8 +8,8 @@ passes per row count, 2 threads.
         new,specdec/cpu_kernels/quant_matmul.c
 A variant is NAME,SOURCE[,extra compiler flags...]; a first flag `isa=BUILD` (`avx2`,
 `portable`) compiles it with that build's flags instead of the AVX-512 ones. With
-`--draft-stack` first: the 0.5b
-draft model's 24 layers of int4 matmuls instead, as one stack (`bench_draft_stack`).
+`--draft-stack` first: the 0.5b draft model's 24 layers of int4 matmuls instead, as one stack
+(`bench_draft_stack`).
 """
 
 import ctypes
@@ -24,16 +24,16 @@ import torch
 from specdec.cpu_kernels import build
 
 ROWS = (1, 2, 3, 4, 5, 8)
-FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", *build._FLAGS["avx512"]]
+BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp"]
 LAYER_STEP = Path(build.__file__).with_name("layer_step.c")
 
 
 def make(name: str, src: str, extra: list[str]) -> ctypes.CDLL:
     out = f"/tmp/matmul_ab_{name}.so"
-    flags = FLAGS
+    isa = "avx512"
     if extra and extra[0].startswith("isa="):
-        flags = [*FLAGS[:4], *build._FLAGS[extra[0][4:]]]
-        extra = extra[1:]
+        isa, extra = extra[0][4:], extra[1:]
+    flags = [*BASE_FLAGS, *build._FLAGS[isa]]
     # The kernels' headers are found beside them, wherever the variant's source lies.
     subprocess.run([build._compiler(), *flags, f"-I{LAYER_STEP.parent}", *extra, src,
                     str(LAYER_STEP), "-o", out, "-lm"], check=True)

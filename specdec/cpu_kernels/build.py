@@ -178,8 +178,9 @@ def _time_paths(paths: list[str], rows: int, rounds: int = 5) -> dict[str, float
             for w in ws:
                 run(p, *w)
             best[p] = min(best[p], time.perf_counter() - t)
-        if i == 0:  # a path twice as slow as the fastest cannot win: the portable one's later
-            # rounds took 5.8 of the 8.0 s that timing 5 buckets cost on the 2-core CPU
+        # After one round, a path twice as slow as the fastest cannot win: the portable one's
+        # later rounds took 5.8 of the 8.0 s that timing 5 buckets cost on the 2-core CPU.
+        if i == 0:
             paths = [p for p in paths if best[p] <= 2 * min(best.values())]
     return best
 

@@ -156,6 +156,23 @@ static void block_portable(int kind, const int8_t *xq, const float *xd, const fl
     }
 }
 
+#if defined(SD_AVX512) || defined(SD_AVX2)
+#ifndef PREFETCH
+#define PREFETCH 2048 /* bytes ahead in the weight stream */
+#endif
+#ifndef PREFETCH_HINT
+/* Into L1. Into L2 (_MM_HINT_T1) 8-32 KB ahead read 15-29% faster at one row on lone matrices
+ * (cpu_matmul_ab.py) but made the 1.5b's decode pass 12% slower in the engine
+ * (bench/results/cpu_kernel_ab_model_20261207_prefetch_l2.json). */
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
+
+static inline void prefetch_unit(const uint8_t *unit, int64_t bytes) {
+    for (int64_t line = 0; line < bytes / 64; line++)
+        _mm_prefetch((const char *)unit + PREFETCH + 64 * line, PREFETCH_HINT);
+}
+#endif
+
 #ifndef SD_AVX512
 
 static int use_amx(int64_t M) { (void)M; return 0; }
@@ -170,15 +187,14 @@ static int use_amx(int64_t M) { (void)M; return 0; }
  * registers (with the accumulators on the stack, a decode step of the 1.5b took 51 ms against 40
  * with them in registers: bench/investigations/cpu_kernel_ab_model.py; three rows at a time
  * rather than two, 3-row passes 5-13% and 5-row passes 4-8% faster on the 1.5b's shapes:
- * bench/results/cpu_matmul_ab_20261207_avx2_mb3.txt).
- * vpmaddubsw multiplies unsigned by
- * signed bytes, summing pairs into int16, and
- * vpmaddwd by ones sums those into int32: the VNNI step in two instructions. Its int16 sums must
- * not saturate: a q4 pair is at most 2 * 15 * 127 = 3810, so all 8 tile rows' pairs add up in
- * int16 (30480); a q5 pair 7874, 4 of them (31496); a q8 weight row is signed, so it is taken
- * as |w| (unsigned) against the activation given w's sign (vpsignb), a pair at most
- * 2 * 128 * 127 = 32512, each widened on its own. The integer dot products are exact, then the
- * float operations are block_portable's, in its order: the same results as every other path. */
+ * bench/results/cpu_matmul_ab_20261207_avx2_mb3.txt). vpmaddubsw multiplies unsigned by signed
+ * bytes, summing pairs into int16, and vpmaddwd by ones sums those into int32: the VNNI step in
+ * two instructions. Its int16 sums must not saturate: a q4 pair is at most 2 * 15 * 127 = 3810,
+ * so all 8 tile rows' pairs add up in int16 (30480); a q5 pair 7874, 4 of them (31496); a q8
+ * weight row is signed, so it is taken as |w| (unsigned) against the activation given w's sign
+ * (vpsignb), a pair at most 2 * 128 * 127 = 32512, each widened on its own. The integer dot
+ * products are exact, then the float operations are block_portable's, in its order: the same
+ * results as every other path. */
 static inline __m256 h8(const uint16_t *p) {  /* 8 fp16 values -> floats */
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
@@ -272,8 +288,7 @@ static inline __attribute__((always_inline)) void block_avx2_rows(
     for (int64_t g = 0; g < G; g++) {
         const int64_t u = nb * G + g;
         const uint8_t *unit = (const uint8_t *)qs + u * ub;
-        for (int64_t line = 0; line < ub / 64; line++)
-            _mm_prefetch((const char *)unit + 2048 + 64 * line, _MM_HINT_T0);
+        prefetch_unit(unit, ub);
         for (int h = 0; h < 2; h++) {
             __m256i dot[3];
             dot_half(kind, MB, unit, h, xb + g * 256, K, dot);
@@ -324,7 +339,8 @@ static void block_rows(int kind, const int8_t *xq, const float *xd, const float 
                        const float *bias, int64_t nb, float *y, int64_t ldy, int amx) {
     (void)amx;
 #ifdef SD_AVX2
-    block_avx2(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);  /* xq spread (matmul) */
+    /* xq as spread_rows laid it out (sd_parts_matmul) */
+    block_avx2(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);
 #else
     block_portable(kind, xq, xd, xs, M, K, qs, d, mn, bias, nb, y, ldy);
 #endif
@@ -336,15 +352,6 @@ int sd_amx_enable(void) { return 0; }
 
 #else /* SD_AVX512 */
 
-#ifndef PREFETCH
-#define PREFETCH 2048 /* bytes ahead in the weight stream */
-#endif
-#ifndef PREFETCH_HINT
-/* Into L1. Into L2 (_MM_HINT_T1) 8-32 KB ahead read 15-29% faster at one row on lone matrices
- * (cpu_matmul_ab.py) but made the 1.5b's decode pass 12% slower in the engine
- * (bench/results/cpu_kernel_ab_model_20261207_prefetch_l2.json). */
-#define PREFETCH_HINT _MM_HINT_T0
-#endif
 #define MB_MAX 8
 
 /* q5: 16 added to each byte of the 8 tile rows whose fifth bit is set. */
@@ -371,11 +378,6 @@ static inline void unit_rows(int kind, const void *unit, __m512i w[8]) {
         w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
     }
     if (kind == 5) add_fifth_bits(unit, w);
-}
-
-static inline void prefetch_unit(const uint8_t *unit, int64_t bytes) {
-    for (int64_t line = 0; line < bytes / 64; line++)
-        _mm_prefetch((const char *)unit + PREFETCH + 64 * line, PREFETCH_HINT);
 }
 
 static inline __m512 h16(const uint16_t *p) {  /* 16 fp16 values -> floats */
