@@ -44,15 +44,18 @@ from drafters.tree import DraftTree
 
 # prompt token ids -> the target's generated token ids after it
 _RECORDED: dict[tuple[int, ...], list[int]] = {}
+_LENGTHS: set[int] = set()  # the recorded prompts' lengths, longest first in `_cursor`
 
 
 def record(prompt: list[int], output: list[int]) -> None:
     """Register the target's output for `prompt` (what a plain greedy run generated)."""
     _RECORDED[tuple(int(t) for t in prompt)] = [int(t) for t in output]
+    _LENGTHS.add(len(prompt))
 
 
 def clear_recorded() -> None:
     _RECORDED.clear()
+    _LENGTHS.clear()
 
 
 def expected_tau(corrupt_rate: float, k: int) -> float:
@@ -196,14 +199,14 @@ class ReplayDrafter(Drafter):
         if r.request_id in script:
             cur = _Cursor(0, list(script[r.request_id]), seed)
         else:
-            best = None
-            for prompt, future in _RECORDED.items():
-                n = len(prompt)
-                fits = n <= len(r.tokens) and tuple(r.tokens[:n]) == prompt
-                if fits and (best is None or n > best[0]):
-                    best = (n, future)
-            cur = (_Cursor(0, None, seed) if best is None
-                   else _Cursor(best[0], best[1], seed, tuple(r.tokens[:best[0]])))
+            # The longest recorded prompt the request starts with, looked up by length: a
+            # scan over every recorded prompt made a request's first proposal the slowest
+            # (at batch 128 on an H100, 11-22 ms for 64 requests' first drafts against 1.4 ms
+            # for a usual proposal), and the controller priced drafting by it.
+            key = next((k for k in (tuple(r.tokens[:n]) for n in sorted(_LENGTHS, reverse=True)
+                                    if n <= len(r.tokens)) if k in _RECORDED), None)
+            cur = (_Cursor(0, None, seed) if key is None
+                   else _Cursor(len(key), _RECORDED[key], seed, key))
         self._cursors[r.request_id] = cur
         return cur
 
