@@ -59,6 +59,10 @@ drafting sequences grow together, so the two terms are not told apart): the whol
 seconds by batch size and rows per sequence, measured (`steps`, `step_time`). A (B, Q) not
 measured yet is priced from the nearest measured Q at that batch, moved by what the
 split model says the difference costs; at a batch never measured, by the split model alone.
+Steps are kept and priced by the bucket that runs them (`pad`): 3 rows a sequence cost what 4
+do, and 9 what 16 do. Priced by their own rows, a step of 9 was the one row past a measured 8
+and looked 8% dearer; it ran in the 16-row bucket at 1.7x (an H100 at batch 64, 18.5 ms
+planned, 30.9 measured: bench/results/gpu_goodput_h100_20261207_s32_b_trace.jsonl).
 """
 
 from __future__ import annotations
@@ -110,8 +114,11 @@ class CostModel:
         self._extra: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
         self._steps = 0
         self._line: tuple[float, float, int] | None = None  # spec_time's, while it holds
-        # Decode steps, whole: batch size -> seconds by rows per sequence (drafters left out).
+        # Decode steps, whole: batch size -> seconds by rows per sequence (drafters left out),
+        # both as the runner's bucket pads them (`pad`: (batch, rows) -> (B, Q), or None where
+        # no bucket holds the step).
         self.steps: dict[int, Curve] = {}
+        self.pad: Callable[[int, int], tuple[int, int] | None] | None = None
         # The machine's pace: every curve above (the calibrations aside) holds seconds divided
         # by the pace at their time, and every price is times the pace now. It starts at 1, the
         # calibration's, and that 1 stays in the window until PACE_WINDOW steps.
@@ -172,8 +179,12 @@ class CostModel:
         """A decode step of `batch` sequences, the deepest of `rows_per_seq` rows (its root
         and draft nodes), took `seconds`, its drafting left out."""
         if batch > 0 and rows_per_seq > 0:  # (record_pass saw the same step: no _observe)
+            batch, rows_per_seq = self._padded(batch, rows_per_seq)
             self.steps.setdefault(batch, Curve(typical=True)).record(rows_per_seq,
                                                                      seconds / self.speed)
+
+    def _padded(self, batch: int, rows_per_seq: int) -> tuple[int, int]:
+        return (self.pad(batch, rows_per_seq) if self.pad else None) or (batch, rows_per_seq)
 
     def step_time(self, batch: int, rows_per_seq: int, drafting: int) -> float:
         """Seconds of a decode step of `batch` sequences padded to `rows_per_seq` rows each,
@@ -184,6 +195,8 @@ class CostModel:
         return self._step(batch, rows_per_seq, drafting) * self.speed
 
     def _step(self, batch: int, rows_per_seq: int, drafting: int) -> float:
+        batch, rows_per_seq = self._padded(batch, rows_per_seq)
+
         def split(q: int) -> float:
             return self._pass(batch * q) + self._spec(drafting if q > 1 else 0)
 
@@ -208,8 +221,20 @@ class CostModel:
         timed = max(self.calibration.best, default=0) // max(1, batch) - 1
         if not self.steps:
             return max(1, timed)
-        near = min(self.steps, key=lambda b: (abs(b - batch), -b))
-        return max(1, timed, max(self.steps[near].sizes, default=1))
+        return max(1, timed, max(self._near_steps(batch).sizes, default=1))
+
+    def knows_step(self, batch: int, rows_per_seq: int) -> bool:
+        """Whether a decode step of `batch` sequences of `rows_per_seq` rows is priced from its
+        own bucket's measurements (whole steps at the batch size nearest, or the calibration
+        in a decode step's shape), not extrapolated."""
+        b, q = self._padded(batch, rows_per_seq)
+        if b * q <= max(self.calibration.best, default=0):
+            return True
+        return bool(self.steps) and q in self._near_steps(b).best
+
+    def _near_steps(self, batch: int) -> Curve:
+        batch = self._padded(batch, 1)[0]
+        return self.steps[min(self.steps, key=lambda b: (abs(b - batch), -b))]
 
     def forget_steps(self) -> None:
         """Drop what real steps and proposals taught, keeping the calibrations: the costs of

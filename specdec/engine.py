@@ -50,7 +50,7 @@ from specdec.sampler import TokenPieces
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler, StepPlan
 from specdec.sequence import Sequence
-from specdec.step_inputs import Draft, plan_segments
+from specdec.step_inputs import Draft, bucket, plan_segments
 from specdec.stop_rules import TextRules
 from specdec.verdict import verify_step
 
@@ -84,6 +84,8 @@ class LLMEngine:
         self.token_pieces = TokenPieces(self.tokenizer, self.eos_token_ids)  # infill sampler
         self.drafting = Drafting(config.speculative, self._build_drafter, adaptive_speculation)
         self.drafting.controller.uniform = self.runner.graphs is not None
+        if self.runner.graphs is not None:  # steps priced by the bucket that runs them
+            self.drafting.controller.costs.pad = bucket
         self.drafting.controller.costs.follows_pace = self.runner.device.type == "cpu"
         self.outputs = OutputBuilder(set(self.eos_token_ids))
         self.committer = StepCommitter(self.runner, self.blocks, self.scheduler, self.drafting,

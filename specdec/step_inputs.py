@@ -117,6 +117,18 @@ class Layout:
         return self.at_mask + self.nmask
 
 
+def bucket(batch: int, rows_per_seq: int, batch_sizes: tuple[int, ...] = BATCH_SIZES,
+           tokens_per_seq: tuple[int, ...] = TOKENS_PER_SEQ,
+           max_tokens: int = MAX_GRAPH_TOKENS) -> tuple[int, int] | None:
+    """(B, Q) of the smallest bucket of `batch` sequences of `rows_per_seq` rows each, or None
+    if none holds them (the step runs eagerly)."""
+    b = next((x for x in batch_sizes if x >= batch), None)
+    q = next((x for x in tokens_per_seq if x >= rows_per_seq), None)
+    if b is None or q is None or b * q > max_tokens:
+        return None
+    return b, q
+
+
 def pick_bucket(segments: list[Any], width: int, block_size: int,
                 batch_sizes: tuple[int, ...] = BATCH_SIZES,
                 tokens_per_seq: tuple[int, ...] = TOKENS_PER_SEQ,
@@ -124,11 +136,11 @@ def pick_bucket(segments: list[Any], width: int, block_size: int,
     """(B, Q) of the smallest bucket holding the step, or None if none does."""
     if not segments:
         return None
-    b = next((x for x in batch_sizes if x >= len(segments)), None)
-    qmax = max(len(s.tokens) for s in segments)
-    q = next((x for x in tokens_per_seq if x >= qmax), None)
-    if b is None or q is None or b * q > max_tokens:
+    bq = bucket(len(segments), max(len(s.tokens) for s in segments), batch_sizes,
+                tokens_per_seq, max_tokens)
+    if bq is None:
         return None
+    b, q = bq
     for s in segments:
         if len(s.block_table) > width or s.context_len + q > width * block_size:
             return None

@@ -176,3 +176,36 @@ def test_a_calibrated_padding_runner_goes_as_deep_at_once_as_the_calibration_tim
     c.record_pass(1, cost(1), 0, False, 1, 1)
     climb = _padded_run(c, ["t"], 6, [0.9] * 8, cost, random.Random(1))
     assert climb[0] == 8  # no climb a row a step
+
+
+@pytest.mark.parametrize("pad", [True, False])
+def test_a_padding_runner_prices_steps_by_their_bucket_and_holds_no_unmeasured_one(pad):
+    # Batch 64 on CUDA graph buckets of 1, 2, 4, 8, 16 rows a sequence: 8 deep (9 rows) runs in
+    # the 16-row bucket, far dearer than 7 deep (8 rows), the best. Priced by its own rows,
+    # 9 looks one row dearer than a measured 8.
+    from specdec.step_inputs import bucket  # (imported first, it is a circular import)
+
+    batch, rng = 64, random.Random(11)
+    surv = [0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55]
+
+    def cost(q):
+        rows = bucket(batch, q)[1]
+        return 0.0075 + (0.004 if rows > 1 else 0.0) + 0.0008 * (rows - 1)
+
+    def rate(k):
+        return (1 + sum(surv[:k])) / cost(k + 1)
+
+    assert max(range(9), key=rate) == 7 and rate(8) < 0.85 * rate(7)
+    c = SpeculationController()
+    c.uniform = True
+    if pad:
+        c.costs.pad = bucket
+    c.record_pass(batch, cost(1), 0, False, batch, 1)
+    chosen = _padded_run(c, [f"r{i}" for i in range(batch)], 300, surv, cost, rng)
+    if pad:
+        assert c.costs.knows_step(batch, 3) == (4 in c.costs.steps[batch].best)
+        # 8 deep only where a step tried it: once, unmeasured, then in probes
+        assert chosen.count(8) <= 1 + 300 // PROBE_EVERY
+        assert max(set(chosen[-200:]), key=chosen[-200:].count) == 7
+    # (without the buckets a step of 9 rows measures as 9: the plan learns it too, later)
+    assert sum(rate(k) for k in chosen[-200:]) >= 0.9 * rate(7) * 200
