@@ -97,7 +97,8 @@ class Drafter(ABC):
     # Proposes by looking the context up (no model): free, but it may find nothing to propose.
     proposes_by_lookup: ClassVar[bool] = False
     # Tokens the last proposal fed before its first draft (a draft model catching up after
-    # steps without it); the speculation controller does not time such proposals.
+    # steps without it; a lookup indexing a new request's prompt); the speculation controller
+    # does not time such proposals.
     last_catch_up: int = 1
     # A model drafter that may stop a chain short by its own judgement (a draft model's
     # `p_min`), having paid the pass that judged; it then reports, per request of its last

@@ -67,6 +67,7 @@ class NgramDrafter(Drafter):
         return bool(options.get("on_device"))
 
     def propose(self, batch: list[DraftRequest]) -> DraftTree:
+        self.last_catch_up = 1
         return DraftTree.from_lists([self._one(r) for r in batch])
 
     def _one(self, r: DraftRequest) -> tuple[list[int], list[int]]:
@@ -76,6 +77,8 @@ class NgramDrafter(Drafter):
         idx = self._index.get(r.request_id)
         if idx is None or idx.seen > len(r.tokens) or (idx.min_n, idx.max_n) != (min_n, max_n):
             idx = self._index[r.request_id] = _Index(min_n, max_n)
+            # A new index reads the whole context: not what a proposal usually costs.
+            self.last_catch_up = max(self.last_catch_up, len(r.tokens))
         idx.update(r.tokens)
         toks = r.tokens
         if r.options.get("on_device"):

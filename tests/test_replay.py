@@ -207,3 +207,28 @@ def test_survival_profile_is_checked_at_admission(bad):
 
     with pytest.raises(ValueError, match="speculative.survival"):
         check_speculative({"method": "replay", "survival": bad})
+
+
+@pytest.mark.parametrize("method", ["replay", "ngram"])
+def test_a_first_proposal_reports_the_context_it_read_as_catch_up(method):
+    # A new request's first proposal reads its whole context (replay: its script by its
+    # prompt; n-gram: an index of it), which a usual proposal does not: the controller must not
+    # time drafting by it (SpeculationController.record_draft drops catch-ups over 2 tokens).
+    from drafters import create_drafter
+
+    d = create_drafter(method, target_vocab={f"t{i}": i for i in range(50)})
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4] * 8
+    replay.record(prompt, [5, 6, 7, 8])
+    try:
+        def ask(rid, tokens):
+            d.propose([DraftRequest(rid, tokens, max_nodes=4, k=4, options={})])
+            return d.last_catch_up
+
+        assert ask("a", prompt) == len(prompt)
+        assert ask("a", prompt + [5]) == 1
+        assert ask("b", prompt[:40]) == 40  # one new request in the batch is enough
+        d.propose([DraftRequest(r, prompt + [5, 6], max_nodes=4, k=4, options={})
+                   for r in ("a", "c")])
+        assert d.last_catch_up == len(prompt) + 2
+    finally:
+        replay.clear_recorded()
