@@ -33,6 +33,7 @@ step.
 
 from __future__ import annotations
 
+import functools
 import random
 import zlib
 from typing import Any
@@ -78,8 +79,11 @@ def rate_for_tau(tau: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def depth_rates(survival: str) -> list[float]:
-    """"S1,S2,..." -> the corrupt rate at each draft depth that replays that profile."""
+@functools.lru_cache(maxsize=64)
+def depth_rates(survival: str) -> tuple[float, ...]:
+    """"S1,S2,..." -> the corrupt rate at each draft depth that replays that profile (kept:
+    parsed for every request at every step, it was a fifth of a proposal's host time at batch
+    128: bench/investigations/host_phases.py)."""
     try:
         s = [float(x) for x in survival.split(",")]
     except ValueError:
@@ -90,7 +94,7 @@ def depth_rates(survival: str) -> list[float]:
     for x in s:
         rates.append(1.0 - (x / prev if prev > 0 else 0.0))
         prev = x
-    return rates
+    return tuple(rates)
 
 
 _M64 = (1 << 64) - 1
@@ -229,7 +233,7 @@ class ReplayDrafter(Drafter):
                 truth = cur.future[done:done + r.k]
         rate = float(r.options.get("corrupt_rate", 0.0))
         profile = r.options.get("survival")
-        rates = depth_rates(profile) if profile else [rate]
+        rates = depth_rates(profile) if profile else (rate,)
         branches = max(1, int(r.options.get("branches", 1)))
         rand, other = rng.random, self._other
         if branches == 1:  # a chain: the loop below, one node a level (the same draws)
