@@ -217,6 +217,20 @@ def test_whole_steps_by_batch_and_rows_per_sequence():
     assert c.steps == {}
 
 
+def test_a_plain_step_priced_from_drafted_ones_sheds_their_host_work():
+    # Only a drafted step measured at this batch (16 sequences, 8 rows each, 3.4 ms of it host
+    # work for drafting): a plain step is that step less the rows' pass difference and less
+    # that host work, not just less the rows (which priced a 6 ms plain step at 9.4).
+    c = CostModel()
+    c.calibration.record(16, 0.006)
+    c.calibration.record(128, 0.008)
+    c.record_pass(128, 0.0114, 16, batch=16)
+    c.record_step(16, 8, 0.0114, 16)
+    assert c.spec_time(16) == pytest.approx(0.0034)
+    assert c.step_time(16, 1, 0) == pytest.approx(0.006)
+    assert c.step_time(16, 8, 16) == pytest.approx(0.0114)
+
+
 def test_calibration_times_rows_in_a_decode_steps_shape_and_leaves_generation_alone(
         tiny_llama, tmp_path, monkeypatch):
     # Past SEGMENT_ROWS the rows are timed as a batch of sequences (one segment of 96 rows fits

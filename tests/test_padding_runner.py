@@ -209,3 +209,32 @@ def test_a_padding_runner_prices_steps_by_their_bucket_and_holds_no_unmeasured_o
         assert max(set(chosen[-200:]), key=chosen[-200:].count) == 7
     # (without the buckets a step of 9 rows measures as 9: the plan learns it too, later)
     assert sum(rate(k) for k in chosen[-200:]) >= 0.9 * rate(7) * 200
+
+
+def test_a_calibrated_padding_runner_that_starts_deep_still_learns_what_a_plain_step_costs(
+        tmp_path):
+    # Batch 16, the calibration timed up to 128 rows, so the first drafted step may go 7 deep
+    # at once and the plain step is never measured at this batch: priced from the drafted
+    # steps less their rows' pass and their host work (3.4 ms), it costs what it does, and an
+    # n-gram-like drafter whose tokens do not pay for that host work is kept plain.
+    from specdec.step_inputs import bucket  # (imported first, it is a circular import)
+
+    batch, rng = 16, random.Random(13)
+    surv = [0.28, 0.15, 0.11, 0.09, 0.07, 0.06, 0.05, 0.04]
+
+    def pass_time(rows):
+        return 0.006 + 0.000016 * (rows - batch)
+
+    def cost(q):
+        rows = batch * bucket(batch, q)[1]
+        return pass_time(rows) + (0.0034 if q > 1 else 0.0)
+
+    assert max(range(9), key=lambda k: (1 + sum(surv[:k])) / cost(k + 1)) == 0
+    c = SpeculationController()
+    c.uniform = True
+    c.costs.pad = bucket
+    c.costs.calibrate(_never, 128, _cached_curve(tmp_path, "t.json", pass_time, CALIBRATION_ROWS))
+    chosen = _padded_run(c, [f"r{i}" for i in range(batch)], 200, surv, cost, rng)
+    assert chosen[0] >= 6  # as deep as the calibration allows, on the prior's word
+    assert c.costs.step_time(batch, 1, 0) == pytest.approx(cost(1), rel=0.05)
+    assert chosen[-150:].count(0) >= 150 - 150 // PROBE_EVERY - 1
