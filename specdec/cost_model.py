@@ -221,7 +221,11 @@ class CostModel:
                - split(near, self._step_drafting.get(batch, batch)))
         if rows_per_seq > near:
             return max(est, curve.best[near])
-        return max(0.0, min(est, curve.best[near]))
+        # ... and never below the pass at its rows (a step is at least its pass): the host work
+        # a drafted step is split into takes what the calibration's line past its largest
+        # size misses of a big pass, and at batch 64 on an H100 the plain step so priced read
+        # 3.7 ms against 7.6 (bench/investigations/controller_sim.py).
+        return max(self._pass(batch * rows_per_seq), min(est, curve.best[near]))
 
     def deepest_step(self, batch: int) -> int:
         """The most rows per sequence of a whole decode step measured at the batch size

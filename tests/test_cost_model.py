@@ -231,6 +231,20 @@ def test_a_plain_step_priced_from_drafted_ones_sheds_their_host_work():
     assert c.step_time(16, 8, 16) == pytest.approx(0.0114)
 
 
+def test_a_step_priced_below_the_measured_ones_costs_at_least_its_pass():
+    # Batch 64 on an H100: the calibration timed up to 128 rows and its line past them misses
+    # most of a 512-row pass, so drafted steps of 2 and 4 rows a sequence are split into a
+    # small pass and a large host extra; a plain step priced from them less that extra read
+    # 3.7 ms against 7.6. It is never priced below its own pass (the calibrated 7.3 ms).
+    c = CostModel()
+    c.calibration.record(64, 0.0073)
+    c.calibration.record(128, 0.0079)
+    for q, sec in ((2, 0.0096), (4, 0.01346)):
+        c.record_pass(64 * q, sec, 64, batch=64)
+        c.record_step(64, q, sec, 64)
+    assert c.step_time(64, 1, 0) == pytest.approx(0.0073)
+
+
 def test_calibration_times_rows_in_a_decode_steps_shape_and_leaves_generation_alone(
         tiny_llama, tmp_path, monkeypatch):
     # Past SEGMENT_ROWS the rows are timed as a batch of sequences (one segment of 96 rows fits
