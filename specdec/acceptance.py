@@ -103,7 +103,14 @@ class Acceptance:
             w = self.prior_weight
             s = min(prev, (a + w * p) / (o + w))
             if o >= 1.0:
+                # The conditional acceptance measured last. The first position's is no
+                # conditional, and the lowest in every profile measured here (n-gram: 0.28 then
+                # 0.51-0.80 after it; the draft model 0.68-0.85, then 0.69-0.88): after it, at
+                # least the prior's (at batch 32 on an H100's costs an n-gram batch judged
+                # position 2 by 0.29 x 0.29 stayed plain where 3 deep paid 1.1x of off).
                 ratio = s / prev if prev > 0 else 0.0
+                if j == 0 and len(prior) > 1 and prior[0] > 0:
+                    ratio = max(ratio, prior[1] / prior[0])
             prev = s
             out.append(s)
         if less is None:

@@ -80,3 +80,23 @@ def test_a_share_too_small_to_matter_is_left_in():
         ctl.verified("big", "ngram", 4, 4, 5)
     with_big = profile.survival(4, [0.6] * 4)
     assert profile.survival(4, [0.6] * 4, ev.shares[("big", "ngram")])[3] < with_big[3] - 0.1
+
+
+def test_deeper_positions_without_evidence_follow_at_least_the_priors_conditional():
+    # Drafted only one deep so far: position 2 has no evidence of its own. The first position's
+    # acceptance is no conditional (and the lowest one, in every profile measured): position 2
+    # is judged by the first's estimate times the larger of it and the prior's conditional.
+    prior = geometric(0.6, 4)
+    low, high = Acceptance(), Acceptance()
+    for i in range(40):
+        low.observe(1, int(i % 10 < 3))  # 0.3 at the first position
+        high.observe(1, int(i % 10 < 9))  # 0.9
+    s = low.survival(4, prior)
+    assert s[1] == pytest.approx(s[0] * 0.6) and s[2] == pytest.approx(s[1] * 0.6)
+    t = high.survival(4, prior)
+    assert t[1] == pytest.approx(t[0] * t[0])  # its own rate, above the prior's 0.6
+    # Evidence at position 2 gives a conditional of its own, which then carries on.
+    for _ in range(40):
+        low.observe(2, 0)
+    s = low.survival(4, prior)
+    assert s[2] <= s[1] * (s[1] / s[0]) + 1e-9
