@@ -73,10 +73,8 @@ def simulate(row: dict, calibration: dict[int, float], tokens: int, k_max: int,
     ids = [f"s{i}" for i in range(n)]
     made = {r: 0 for r in ids}
     seconds, depths, ks = 0.0, {}, {}
-    while sum(made.values()) < n * tokens:  # the whole batch decodes to the end (steady state)
-        if ks and c.holding and c.hold_step():
-            pass  # the last choice, held (Drafting._hold)
-        else:
+    while sum(made.values()) < n * tokens:  # `tokens` a sequence on average, none leaving
+        if not (ks and c.holding and c.hold_step()):  # else the last choice, held
             cands = [Candidate(r, [Alternative("replay", k_max, 1,
                                                c.survival(r, "replay", k_max))]) for r in ids]
             ks = {r: ch.k for r, ch in c.choose(n, 0, cands, n).items()}
