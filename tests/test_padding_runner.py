@@ -238,3 +238,23 @@ def test_a_calibrated_padding_runner_that_starts_deep_still_learns_what_a_plain_
     assert chosen[0] >= 6  # as deep as the calibration allows, on the prior's word
     assert c.costs.step_time(batch, 1, 0) == pytest.approx(cost(1), rel=0.05)
     assert chosen[-150:].count(0) >= 150 - 150 // PROBE_EVERY - 1
+
+
+def test_a_padding_runner_holds_plain_only_once_a_plain_step_is_measured(tmp_path):
+    # The calibration timed a 128-row pass, but not a plain step's host work: a plain choice
+    # priced by it is not held (at batch 128 on an H100, 7.9 ms calibrated against 9.6 a step,
+    # and a batch held plain for a probe period where 3 deep paid), until one is measured.
+    from specdec.step_inputs import bucket  # (imported first, it is a circular import)
+
+    c = SpeculationController()
+    c.uniform = True
+    c.costs.pad = bucket
+    c.costs.calibrate(_never, 128, _cached_curve(tmp_path, "t.json", lambda r: 0.004 + 3e-5 * r,
+                                                 CALIBRATION_ROWS))
+    cands = [Candidate(f"r{i}", [Alternative("m", 8, 1, [0.02] * 8)]) for i in range(128)]
+    assert not c.costs.knows_step(128, 1) and c.costs.knows_step(1, 4)
+    assert all(ch.k == 0 for ch in c.choose(128, 0, cands, 128).values())
+    assert not c.holding
+    c.record_pass(128, 0.0096, 0, True, 128, 1)
+    assert all(ch.k == 0 for ch in c.choose(128, 0, cands, 128).values())
+    assert c.holding
