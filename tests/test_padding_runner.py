@@ -46,6 +46,14 @@ def test_a_padding_runner_gets_one_depth_for_the_batch_and_probes_it_whole():
     assert depths[-1] == [depths[0][0] + 1] * 3  # the probe: the whole batch one deeper
 
 
+def bucket(batch, rows_per_seq):
+    """The graph runner's bucket (specdec/step_inputs.py; imported first, that module's import
+    of the drafters would be circular)."""
+    from specdec.step_inputs import bucket as of
+
+    return of(batch, rows_per_seq)
+
+
 def _padded_run(c, ids, steps, surv, cost, rng):
     """`steps` steps of a uniform controller over `ids`, acceptance drawn from `surv`, each
     step's seconds `cost(q)` at q rows per sequence: the depth each step had."""
@@ -183,8 +191,6 @@ def test_a_padding_runner_prices_steps_by_their_bucket_and_holds_no_unmeasured_o
     # Batch 64 on CUDA graph buckets of 1, 2, 4, 8, 16 rows a sequence: 8 deep (9 rows) runs in
     # the 16-row bucket, far dearer than 7 deep (8 rows), the best. Priced by its own rows,
     # 9 looks one row dearer than a measured 8.
-    from specdec.step_inputs import bucket  # (imported first, it is a circular import)
-
     batch, rng = 64, random.Random(11)
     surv = [0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55]
 
@@ -217,8 +223,6 @@ def test_a_calibrated_padding_runner_that_starts_deep_still_learns_what_a_plain_
     # at once and the plain step is never measured at this batch: priced from the drafted
     # steps less their rows' pass and their host work (3.4 ms), it costs what it does, and an
     # n-gram-like drafter whose tokens do not pay for that host work is kept plain.
-    from specdec.step_inputs import bucket  # (imported first, it is a circular import)
-
     batch, rng = 16, random.Random(13)
     surv = [0.28, 0.15, 0.11, 0.09, 0.07, 0.06, 0.05, 0.04]
 
@@ -244,8 +248,6 @@ def test_a_padding_runner_holds_plain_only_once_a_plain_step_is_measured(tmp_pat
     # The calibration timed a 128-row pass, but not a plain step's host work: a plain choice
     # priced by it is not held (at batch 128 on an H100, 7.9 ms calibrated against 9.6 a step,
     # and a batch held plain for a probe period where 3 deep paid), until one is measured.
-    from specdec.step_inputs import bucket  # (imported first, it is a circular import)
-
     c = SpeculationController()
     c.uniform = True
     c.costs.pad = bucket
