@@ -83,9 +83,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids)))
         self.token_pieces = TokenPieces(self.tokenizer, self.eos_token_ids)  # infill sampler
         self.drafting = Drafting(config.speculative, self._build_drafter, adaptive_speculation)
-        self.drafting.controller.uniform = self.runner.graphs is not None
-        if self.runner.graphs is not None:  # steps priced by the bucket that runs them
-            self.drafting.controller.costs.pad = bucket
+        if self.runner.graphs is not None:  # one depth a step, priced by its graph bucket
+            self.drafting.controller.pads_to(bucket)
         self.drafting.controller.costs.follows_pace = self.runner.device.type == "cpu"
         self.outputs = OutputBuilder(set(self.eos_token_ids))
         self.committer = StepCommitter(self.runner, self.blocks, self.scheduler, self.drafting,

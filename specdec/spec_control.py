@@ -109,6 +109,12 @@ class SpeculationController:
         # and a probe takes the whole batch one deeper.
         self.uniform = False
 
+    def pads_to(self, bucket: Callable[[int, int], tuple[int, int] | None]) -> None:
+        """Plan for a runner that pads each step to a bucket of (sequences, rows each):
+        `bucket(batch, rows)` -> (B, Q), or None where the step runs unpadded."""
+        self.uniform = True
+        self.costs.pad = bucket
+
     # -- what the controller learns -----------------------------------------------------------
     def record_pass(self, rows: int, seconds: float, speculating: int = 0,
                     chained: bool = False, batch: int = 0, deepest: int = 0) -> None:

@@ -235,8 +235,7 @@ def test_a_calibrated_padding_runner_that_starts_deep_still_learns_what_a_plain_
 
     assert max(range(9), key=lambda k: (1 + sum(surv[:k])) / cost(k + 1)) == 0
     c = SpeculationController()
-    c.uniform = True
-    c.costs.pad = bucket
+    c.pads_to(bucket)
     c.costs.calibrate(_never, 128, _cached_curve(tmp_path, "t.json", pass_time, CALIBRATION_ROWS))
     chosen = _padded_run(c, [f"r{i}" for i in range(batch)], 200, surv, cost, rng)
     assert chosen[0] >= 6  # as deep as the calibration allows, on the prior's word
@@ -249,8 +248,7 @@ def test_a_padding_runner_holds_plain_only_once_a_plain_step_is_measured(tmp_pat
     # priced by it is not held (at batch 128 on an H100, 7.9 ms calibrated against 9.6 a step,
     # and a batch held plain for a probe period where 3 deep paid), until one is measured.
     c = SpeculationController()
-    c.uniform = True
-    c.costs.pad = bucket
+    c.pads_to(bucket)
     c.costs.calibrate(_never, 128, _cached_curve(tmp_path, "t.json", lambda r: 0.004 + 3e-5 * r,
                                                  CALIBRATION_ROWS))
     cands = [Candidate(f"r{i}", [Alternative("m", 8, 1, [0.02] * 8)]) for i in range(128)]

@@ -66,8 +66,7 @@ def simulate(row: dict, calibration: dict[int, float], tokens: int, k_max: int,
     surv = survival_at([float(x) for x in row["survival"].split(",")], k_max)
     cond = [surv[0]] + [b / a if a > 0 else 0.0 for a, b in zip(surv, surv[1:])]
     c = SpeculationController()
-    c.uniform = True
-    c.costs.pad = bucket
+    c.pads_to(bucket)
     for rows, sec in calibration.items():
         c.costs.calibration.record(rows, sec)
     ids = [f"s{i}" for i in range(n)]
