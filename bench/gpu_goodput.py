@@ -203,7 +203,7 @@ def _trace_choices(engine, path: Path, max_batch: int, k_max: int) -> None:
                 "surv": [round(x, 3) for x in c.survival[:k_max]],
                 "step_ms": [round(costs.step_time(n, q, len(cands) if q > 1 else 0) * 1e3, 3)
                             for q in range(1, k_max + 2)],
-                "draft_ms": [round(costs.draft_time(c.method, len(cands), d) * 1e3, 3)
+                "draft_ms": [round(costs.draft.time(c.method, len(cands), d) * 1e3, 3)
                              for d in range(1, k_max + 1)],
                 "held": ctl.holding, "period": ctl.probe_period}) + "\n")
         return out

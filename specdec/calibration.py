@@ -34,7 +34,7 @@ SEGMENT_ROWS = 8
 # about 12 s to 128 rows.
 CALIBRATION_BUDGET_S = 20.0
 
-# (run_pass, max_rows, cache) -> seconds by rows: CostModel.calibrate or .calibrate_drafter
+# (run_pass, max_rows, cache) -> seconds by rows: CostModel.calibrate or DraftCosts.calibrate
 Measure = Callable[[Callable[[int], None], int, "Path | None"], dict[int, float]]
 
 

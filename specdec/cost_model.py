@@ -1,6 +1,7 @@
-"""What a step costs on this machine: the target pass by query rows, and each drafter's proposal
-by batch size and draft depth. The speculation controller (specdec/spec_control.py) plans
-with it.
+"""What a step costs on this machine: the target pass by query rows, whole decode steps by batch
+size and rows per sequence, and (`CostModel.draft`, specdec/draft_costs.py) each drafter's
+proposal by batch size and draft depth. The speculation controller (specdec/spec_control.py)
+plans with it.
 
 The pass curve is measured at start (specdec/calibration.py: one eager pass per size of a grid
 of row counts, the fastest of a few, within a time budget) and cached per machine, model,
@@ -75,6 +76,7 @@ from pathlib import Path
 
 from specdec.calibration import measure_curve
 from specdec.cost_curve import WINDOW, Curve, lower_median
+from specdec.draft_costs import DraftCosts
 
 HOST_AGE = 128  # recorded steps a drafted step's extra counts for (four probes apart)
 PACE_WINDOW = 9  # recent target steps whose median time over price is the pace
@@ -103,13 +105,7 @@ class CostModel:
         # done returns fast, the next one waits longer), so the fastest is no estimate of it.
         self.passes = Curve(typical=True)
         self.calibration = Curve()  # passes alone, measured at start
-        # (method, drafting sequences) -> seconds by draft depth: a draft model's proposal is
-        # one pass over its catch-up tokens, then one pass per further depth.
-        self.drafts: dict[tuple[str, int], Curve] = {}
-        self.draft_calibration: dict[str, Curve] = {}  # method -> its model's pass by rows
-        # (method, drafting sequences) -> recent proposals of a calibrated model drafter, each
-        # its time over its calibrated estimate (`_draft`).
-        self._draft_ratios: dict[tuple[str, int], deque[float]] = {}
+        self.draft = DraftCosts(lambda: self.speed)  # each drafter's proposals
         # Drafted steps: (steps recorded then, sequences that drafted, seconds over the rows).
         self._extra: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
         self._steps = 0
@@ -257,8 +253,7 @@ class CostModel:
         """Drop what real steps and proposals taught, keeping the calibrations: the costs of
         an engine that has just started."""
         self.passes = Curve(typical=True)
-        self.drafts.clear()
-        self._draft_ratios.clear()
+        self.draft.forget()
         self.steps.clear()
         self._step_drafting.clear()
         self._extra.clear()
@@ -323,76 +318,6 @@ class CostModel:
             (med[b] - med[a]) / (b - a) for a, b in itertools.combinations(med, 2)))
         return statistics.median(m - slope * c for c, m in med.items()), slope, 0
 
-    # -- drafters ---------------------------------------------------------------------------
-    def record_draft(self, method: str, batch: int, depth: int, seconds: float) -> None:
-        """A proposal for `batch` sequences, `depth` deep at most, took `seconds`."""
-        if depth > 0 and batch > 0:
-            # The median: how much a proposal feeds varies (a sequence that ends soon drafts
-            # less), so the fastest one is an outlier that did less work.
-            self.drafts.setdefault((method, batch), Curve(proportional=True, typical=True)
-                                   ).record(depth, seconds / self.speed)
-            est = self._calibrated_draft(method, batch, depth)
-            if est:
-                self._draft_ratios.setdefault((method, batch), deque(maxlen=2 * WINDOW)).append(
-                    seconds / self.speed / est)
-
-    def draft_time(self, method: str, batch: int, depth: int,
-                   reach: list[float] | None = None) -> float:
-        """Seconds of `method` proposing `depth` deep for `batch` sequences: where the drafter's
-        pass was calibrated, that estimate (scaled by what real proposals cost against it, at
-        this batch size or the nearest measured); else measured at this batch size; else what
-        the nearest measured size cost, or 0.0 when never measured: an estimate that errs low
-        is tried, measured and corrected; one that errs high would never be tried. `reach`
-        (D_1 ..): where the drafter may stop short, the chance that it drafts j deep, so that
-        its depth j + 1 costs only that share (a proposal is recorded at the depth it ran)."""
-        if reach is None or depth <= 1:
-            return self._draft(method, batch, depth) * self.speed
-        sec = prev = self._draft(method, batch, 1)
-        for j in range(2, depth + 1):
-            cur = self._draft(method, batch, j)
-            sec += (reach[j - 2] if j - 2 < len(reach) else 1.0) * (cur - prev)
-            prev = cur
-        return sec * self.speed
-
-    def _draft(self, method: str, batch: int, depth: int) -> float:
-        if batch <= 0 or depth <= 0:
-            return 0.0
-        est = self._calibrated_draft(method, batch, depth)
-        known = [b for (m, b) in self._draft_ratios if m == method]
-        if est is not None and known:
-            # A calibrated model's proposal: its calibrated shape (a pass a depth) times what
-            # its recent proposals took against theirs, pooled over depths, at this batch size
-            # or the nearest measured. Read per depth, a depth planned rarely (a probe one
-            # deeper) kept the time of its few proposals: on the 2-core CPU, 60 ms at depth 4
-            # against 30 at depth 3, and the controller stopped at 3 (server trace, 2026-12-06).
-            near = min(known, key=lambda b: (abs(b - batch), b))
-            return est * lower_median(self._draft_ratios[(method, near)])
-        curve = self.drafts.get((method, batch))
-        if curve is not None:
-            return curve(depth)
-        known = [b for (m, b) in self.drafts if m == method]
-        if not known:
-            return est or 0.0
-        near = min(known, key=lambda b: (abs(b - batch), b))
-        measured = self.drafts[(method, near)](depth)
-        ref = self._calibrated_draft(method, near, depth)
-        return est * measured / ref if est is not None and ref else measured
-
-    def catch_up_time(self, method: str, tokens: int) -> float:
-        """Seconds a proposal that first feeds `tokens` a model drafter missed costs beyond a
-        usual one (which feeds 2), from its calibrated pass; 0.0 where it is not calibrated."""
-        c = self.draft_calibration.get(method)
-        return max(0.0, c(tokens) - c(2)) * self.speed if c and tokens > 2 else 0.0
-
-    def _calibrated_draft(self, method: str, batch: int, depth: int) -> float | None:
-        """A proposal from the drafter's calibrated pass: one pass over two tokens a sequence
-        (the catch-up after a verification: the last accepted token and the bonus), then one
-        over one token a sequence per further depth."""
-        c = self.draft_calibration.get(method)
-        if not c:
-            return None
-        return c(2 * batch) + (depth - 1) * c(batch)
-
     # -- calibration ------------------------------------------------------------------------
     def calibrate(self, run_pass: Callable[[int], None], max_rows: int,
                   cache: Path | None = None) -> dict[int, float]:
@@ -401,16 +326,4 @@ class CostModel:
         curve = measure_curve(run_pass, max_rows, cache)
         for r, sec in curve.items():
             self.calibration.record(r, sec)
-        return curve
-
-    def calibrate_drafter(self, method: str, run_pass: Callable[[int], None], max_rows: int,
-                          cache: Path | None = None) -> dict[int, float]:
-        """The same for a model drafter's own pass (a draft model's), so that what its
-        proposals cost is known before it first proposes: without it, a batch on a machine
-        where drafting cannot pay (a CPU verifying many rows) drafts until the measurements
-        come in, and a short request pays the draft model's catch-up over its prompt."""
-        curve = measure_curve(run_pass, max_rows, cache)
-        c = self.draft_calibration[method] = Curve(proportional=True)
-        for r, sec in curve.items():
-            c.record(r, sec)
         return curve

@@ -180,7 +180,7 @@ class Drafting:
         d = self.drafter(s)
         behind = 0 if d.proposes_by_lookup else d.catch_up_tokens(self._behind(r, s),
                                                                   s.options)
-        catch_up = self.controller.costs.catch_up_time(s.method, behind)
+        catch_up = self.controller.costs.draft.catch_up_time(s.method, behind)
         stale = behind > 2
         survival = self.controller.survival(r.request_id, s.method, s.k,
                                             fade=not (stale and catch_up > 0))

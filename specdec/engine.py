@@ -227,7 +227,7 @@ class LLMEngine:
             runner = getattr(drafter, "runner", None)
             if isinstance(runner, ModelRunner) and not drafter.proposes_by_lookup:
                 calibrate_runner(runner, max_rows,
-                                 functools.partial(costs.calibrate_drafter, drafter.name))
+                                 functools.partial(costs.draft.calibrate, drafter.name))
                 runners.append(runner)
         if self.blocks.num_used == 0 and not self.blocks.cached:
             # What the timed passes wrote across the pools holds nothing anyone reads (a draft

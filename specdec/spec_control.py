@@ -131,7 +131,7 @@ class SpeculationController:
         after steps it sat out). Such a proposal says little of what drafting costs every
         step, so it is not kept."""
         if catch_up <= 2:
-            self.costs.record_draft(method, batch, depth, seconds)
+            self.costs.draft.record(method, batch, depth, seconds)
 
     def verified(self, request_id: str, method: str, depth: int, accepted: int,
                  emitted: int, drafted: int | None = None, chosen: bool = True) -> None:
@@ -151,7 +151,7 @@ class SpeculationController:
             self.evidence.observe_profile(method, depth, accepted, drafted)
             return
         self.evidence.observe(request_id, method, depth, accepted, self._step, drafted,
-                              firm=method in self.costs.draft_calibration)
+                              firm=method in self.costs.draft.calibration)
         pending = self._pending.pop(request_id, None)
         st = self.stats.get(method)
         if st is None:
@@ -210,7 +210,7 @@ class SpeculationController:
                 have[j] = max(have[j], x)
 
         def drafts(method: str, n: int, depth: int) -> float:
-            return self.costs.draft_time(method, n, depth, reach.get(method))
+            return self.costs.draft.time(method, n, depth, reach.get(method))
 
         def plan(alts: list[Alternative]) -> list[int]:
             if self.uniform:
@@ -352,7 +352,7 @@ class SpeculationController:
         for idx, a in enumerate(c.alternatives):
             value = max(((1 + sum(a.survival[:k])) / (
                 share + k * a.width * per_row + host + a.start
-                + self.costs.draft_time(a.method, batch, k, a.reach) / max(1, batch))
+                + self.costs.draft.time(a.method, batch, k, a.reach) / max(1, batch))
                 for k in range(1, a.max_k + 1)), default=0.0)
             if value > best_value:
                 best, best_value = idx, value
@@ -366,7 +366,7 @@ class SpeculationController:
         `survival` deep takes to emit them. A request with few tokens left, behind a long
         prompt, does not start a costly drafter that could not pay it back (0.0 where the
         drafter's pass is not calibrated: an estimate that errs low is tried, then measured)."""
-        extra = self.costs.catch_up_time(method, behind)
+        extra = self.costs.draft.catch_up_time(method, behind)
         return extra * (1 + sum(survival)) / max(1, left) if extra > 0 else 0.0
 
     @staticmethod

@@ -24,12 +24,12 @@ def test_cost_model_interpolates_and_never_assumes_larger_is_cheaper():
     assert c.pass_time(8) == pytest.approx(1.6 + 0.2 * 4)
     c.record_pass(4, 9.0)  # a slow step on a busy machine: the (lower) median stands
     assert c.pass_time(4) == 1.6
-    c.record_draft("draft_model", 2, 4, 0.8)
-    assert c.draft_time("draft_model", 2, 2) == pytest.approx(0.4)  # one depth: proportional
-    c.record_draft("draft_model", 2, 1, 0.3)
-    assert c.draft_time("draft_model", 2, 2) == pytest.approx(0.3 + 0.5 / 3)
-    assert c.draft_time("draft_model", 3, 4) == pytest.approx(0.8)  # the nearest batch size
-    assert c.draft_time("ngram", 1, 4) == 0.0
+    c.draft.record("draft_model", 2, 4, 0.8)
+    assert c.draft.time("draft_model", 2, 2) == pytest.approx(0.4)  # one depth: proportional
+    c.draft.record("draft_model", 2, 1, 0.3)
+    assert c.draft.time("draft_model", 2, 2) == pytest.approx(0.3 + 0.5 / 3)
+    assert c.draft.time("draft_model", 3, 4) == pytest.approx(0.8)  # the nearest batch size
+    assert c.draft.time("ngram", 1, 4) == 0.0
 
 
 def test_host_work_per_drafting_sequence_is_learnt_apart_from_the_rows():
@@ -107,16 +107,16 @@ def _never(n):
 
 def test_a_calibrated_draft_model_is_priced_before_it_proposes(tmp_path):
     c = CostModel()
-    c.calibrate_drafter("draft_model", _never, 8,
+    c.draft.calibrate("draft_model", _never, 8,
                         _cached_curve(tmp_path, "d.json", lambda r: 0.01 + 0.002 * r))
     # One pass over two tokens a sequence, then one over one token a sequence per depth.
-    assert c.draft_time("draft_model", 4, 3) == pytest.approx(0.026 + 2 * 0.018)
-    assert c.draft_time("ngram", 4, 3) == 0.0  # nothing calibrated, nothing measured
+    assert c.draft.time("draft_model", 4, 3) == pytest.approx(0.026 + 2 * 0.018)
+    assert c.draft.time("ngram", 4, 3) == 0.0  # nothing calibrated, nothing measured
     # Real proposals at batch 1 cost twice the calibrated estimate: other batches scale by it.
     for _ in range(3):
-        c.record_draft("draft_model", 1, 3, 2 * (0.014 + 2 * 0.012))
-    assert c.draft_time("draft_model", 1, 3) == pytest.approx(2 * 0.038)
-    assert c.draft_time("draft_model", 4, 3) == pytest.approx(2 * (0.026 + 2 * 0.018))
+        c.draft.record("draft_model", 1, 3, 2 * (0.014 + 2 * 0.012))
+    assert c.draft.time("draft_model", 1, 3) == pytest.approx(2 * 0.038)
+    assert c.draft.time("draft_model", 4, 3) == pytest.approx(2 * (0.026 + 2 * 0.018))
 
 
 def test_real_steps_add_their_host_time_to_the_calibrated_curve(tmp_path):
@@ -296,13 +296,13 @@ def test_a_rarely_planned_depth_is_priced_from_every_proposal_of_a_calibrated_dr
     # dear to plan again; priced from the calibrated shape and all proposals, it costs one pass
     # more than 3 deep.
     c = CostModel()
-    c.calibrate_drafter("draft_model", _never, 8,
+    c.draft.calibrate("draft_model", _never, 8,
                         _cached_curve(tmp_path, "d.json", lambda r: 0.008 + 0.001 * r))
     for _ in range(20):
-        c.record_draft("draft_model", 1, 3, 0.010 + 2 * 0.009)
-    c.record_draft("draft_model", 1, 4, 2 * (0.010 + 3 * 0.009))
-    assert c.draft_time("draft_model", 1, 4) == pytest.approx(0.010 + 3 * 0.009)
-    assert c.draft_time("draft_model", 1, 6) == pytest.approx(0.010 + 5 * 0.009)
+        c.draft.record("draft_model", 1, 3, 0.010 + 2 * 0.009)
+    c.draft.record("draft_model", 1, 4, 2 * (0.010 + 3 * 0.009))
+    assert c.draft.time("draft_model", 1, 4) == pytest.approx(0.010 + 3 * 0.009)
+    assert c.draft.time("draft_model", 1, 6) == pytest.approx(0.010 + 5 * 0.009)
 
 
 def test_a_drafter_that_stops_short_pays_for_the_depths_it_reaches(tmp_path):
@@ -311,12 +311,12 @@ def test_a_drafter_that_stops_short_pays_for_the_depths_it_reaches(tmp_path):
     # runs in expectation. Proposals are recorded at the depth they ran, so the speed read from
     # them stays the machine's.
     c = CostModel()
-    c.calibrate_drafter("draft_model", _never, 8,
+    c.draft.calibrate("draft_model", _never, 8,
                         _cached_curve(tmp_path, "d.json", lambda r: 0.008 + 0.001 * r))
     for _ in range(10):
-        c.record_draft("draft_model", 1, 1, 0.010)
-        c.record_draft("draft_model", 1, 2, 0.010 + 0.009)
-    assert c.draft_time("draft_model", 1, 3) == pytest.approx(0.010 + 2 * 0.009)
-    assert c.draft_time("draft_model", 1, 3, [0.5, 0.25, 0.25]) == pytest.approx(
+        c.draft.record("draft_model", 1, 1, 0.010)
+        c.draft.record("draft_model", 1, 2, 0.010 + 0.009)
+    assert c.draft.time("draft_model", 1, 3) == pytest.approx(0.010 + 2 * 0.009)
+    assert c.draft.time("draft_model", 1, 3, [0.5, 0.25, 0.25]) == pytest.approx(
         0.010 + 0.5 * 0.009 + 0.25 * 0.009)
-    assert c.draft_time("draft_model", 1, 1, [0.5]) == pytest.approx(0.010)
+    assert c.draft.time("draft_model", 1, 1, [0.5]) == pytest.approx(0.010)

@@ -127,10 +127,10 @@ def test_continuations_follow_the_target(llm, models, case, monkeypatch):
         llm.engine.drafting.controller.forget_evidence()
         costs = llm.engine.drafting.controller.costs
         monkeypatch.setattr(costs, "pass_time", lambda rows: 1.0 + 1e-4 * rows)
-        monkeypatch.setattr(costs, "draft_time",
+        monkeypatch.setattr(costs.draft, "time",
                             lambda method, batch, depth, reach=None: 1e-3 * depth)
         monkeypatch.setattr(costs, "spec_time", lambda speculating: 1e-6 * speculating)
-        monkeypatch.setattr(costs, "catch_up_time", lambda method, tokens: 1e-6 * tokens)
+        monkeypatch.setattr(costs.draft, "catch_up_time", lambda method, tokens: 1e-6 * tokens)
     counts, drafted, accepted = sample(llm, spec, seed=1000 * len(case), **kw)
     if spec["method"] != "none":  # drafts were proposed and accepted: the test is not vacuous
         assert drafted > REQUESTS // 2 and accepted > REQUESTS // 20

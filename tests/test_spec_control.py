@@ -27,12 +27,12 @@ def test_a_draft_model_behind_a_long_prompt_starts_only_where_the_tokens_left_re
     c = SpeculationController()
     c.costs.calibrate(_never, 8, _cached_curve(tmp_path, "t.json",
                                                lambda r: 1.0 + 0.05 * max(0, r - 4)))
-    c.costs.calibrate_drafter("draft_model", _never, 128,
+    c.costs.draft.calibrate("draft_model", _never, 128,
                               _cached_curve(tmp_path, "d.json", lambda r: 0.05 + 0.002 * r,
                                             CALIBRATION_ROWS))
     c.record_pass(4, 1.0)
     s = geometric(0.8, 4)
-    assert c.costs.catch_up_time("draft_model", 1000) == pytest.approx(0.002 * 998)
+    assert c.costs.draft.catch_up_time("draft_model", 1000) == pytest.approx(0.002 * 998)
 
     def k(left: int) -> int:
         a = Alternative("draft_model", 4, 1, s, False, True,
@@ -58,7 +58,7 @@ def test_a_costly_draft_model_is_not_tried_where_it_cannot_pay(tmp_path):
         c.costs.calibrate(_never, 8, _cached_curve(tmp_path, "t.json",
                                                    lambda r: 1.0 + 0.05 * max(0, r - 4)))
         if calibrated:
-            c.costs.calibrate_drafter("draft_model", _never, 8,
+            c.costs.draft.calibrate("draft_model", _never, 8,
                                       _cached_curve(tmp_path, "d.json", lambda r: 0.5))
         c.record_pass(4, 1.0)
         return c
@@ -322,7 +322,7 @@ def test_one_rejected_draft_does_not_turn_off_a_request_whose_drafter_accepts_we
     model_pass = Curve(proportional=True)
     for rows, ms in ((1, 8.7), (2, 10.5), (64, 110.0)):
         model_pass.record(rows, ms / 1e3)
-    c.costs.draft_calibration["draft_model"] = model_pass
+    c.costs.draft.calibration["draft_model"] = model_pass
     for method in ("draft_model", "ngram"):
         for _ in range(200):
             c.verified("earlier", method, 4, 3, 4)
@@ -355,7 +355,7 @@ def test_costs_measured_in_a_slow_spell_follow_the_machine_when_it_speeds_up(tmp
     c.costs.follows_pace = True  # as the engine sets it on the CPU
     c.costs.calibrate(_never, 8, _cached_curve(tmp_path, "t.json",
                                                lambda r: 0.030 + 0.004 * (r - 1)))
-    c.costs.calibrate_drafter("draft_model", _never, 8,
+    c.costs.draft.calibrate("draft_model", _never, 8,
                               _cached_curve(tmp_path, "d.json", lambda r: 0.008 + 0.001 * r))
     slow = 1.5
     for _ in range(20):
@@ -368,7 +368,7 @@ def test_costs_measured_in_a_slow_spell_follow_the_machine_when_it_speeds_up(tmp
     # (While every step drafts, a step's host work reads as pace: 5 ms in 51, so what was
     # measured then is priced up to a tenth low.)
     assert c.costs.pass_time(1) == pytest.approx(0.030)
-    assert c.costs.draft_time("draft_model", 1, 4) == pytest.approx(0.036, rel=0.12)
+    assert c.costs.draft.time("draft_model", 1, 4) == pytest.approx(0.036, rel=0.12)
     assert c.costs.pass_time(5) + c.costs.spec_time(1) == pytest.approx(0.051, rel=0.12)
     alt = Alternative("draft_model", 4, 1, geometric(0.8, 4), False)
     assert c.choose(1, 0, [Candidate("r", [alt])])["r"].k >= 3
@@ -386,7 +386,7 @@ def test_the_pace_stays_anchored_on_a_steady_machine(tmp_path):
     c.costs.follows_pace = True
     c.costs.calibrate(_never, 8, _cached_curve(tmp_path, "t.json",
                                                lambda r: 0.030 + 0.004 * (r - 1)))
-    c.costs.calibrate_drafter("draft_model", _never, 8,
+    c.costs.draft.calibrate("draft_model", _never, 8,
                               _cached_curve(tmp_path, "d.json", lambda r: 0.008 + 0.001 * r))
     for step in range(2000):
         noise = rng.uniform(0.8, 1.25)

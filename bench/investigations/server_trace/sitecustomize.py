@@ -45,7 +45,7 @@ def _install(out) -> None:
                 "spec_ms": round(costs.spec_time(1) * 1e3, 2),
                 "pace": round(costs.speed, 3),
                 "reach": [round(x, 3) for x in alt.reach] if alt and alt.reach else None,
-                "draft_ms": [round(costs.draft_time("draft_model", 1, k, alt and alt.reach)
+                "draft_ms": [round(costs.draft.time("draft_model", 1, k, alt and alt.reach)
                                    * 1e3, 2) for k in range(1, 5)]}) + "\n")
 
     cls.depths = traced_depths
