@@ -213,3 +213,37 @@ def test_a_step_read_back_after_a_pause_is_not_priced(tiny_llama):
         engine.step()
     assert 6 not in priced and len(priced) >= 4  # decode steps are priced from call 3 on
     assert max(priced.values()) < 0.5
+
+
+def test_a_steps_planning_is_priced_with_that_step(tiny_llama):
+    """With overlap, the host plans step n + 1 after committing step n, the device idle: that
+    time is step n + 1's cost, recorded when it is committed, not step n's (a plain step
+    followed by a host-planned drafted one otherwise read dearer than a plain step is)."""
+    import time
+
+    lm = llm(tiny_llama, True)
+    engine = lm.engine
+    engine.chainer.can_chain = lambda *a: False  # every step planned on the host
+    priced: dict[int, float] = {}  # engine.step call -> the seconds it recorded
+    record = engine.drafting.controller.record_pass
+    depths = engine.drafting.depths
+    n = 0
+
+    def spy(rows, seconds, *a):
+        priced[n] = seconds
+        record(rows, seconds, *a)
+
+    def slow_depths(decoding):
+        if n == 6:
+            time.sleep(0.2)  # planning the step call 6 launches, which call 7 commits
+        depths(decoding)
+
+    engine.drafting.controller.record_pass = spy
+    engine.drafting.depths = slow_depths
+    engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=12,
+                                                        ignore_eos=True))
+    while engine.has_unfinished():
+        n += 1
+        engine.step()
+    assert {5, 6, 7, 8} <= set(priced)
+    assert priced[7] >= 0.2 and priced[6] < 0.2
