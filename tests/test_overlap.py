@@ -235,7 +235,7 @@ def test_a_steps_planning_is_priced_with_that_step(tiny_llama):
 
     def slow_depths(decoding):
         if n == 6:
-            time.sleep(0.2)  # planning the step call 6 launches, which call 7 commits
+            time.sleep(0.5)  # planning the step call 6 launches, which call 7 commits
         depths(decoding)
 
     engine.drafting.controller.record_pass = spy
@@ -246,4 +246,4 @@ def test_a_steps_planning_is_priced_with_that_step(tiny_llama):
         n += 1
         engine.step()
     assert {5, 6, 7, 8} <= set(priced)
-    assert priced[7] >= 0.2 and priced[6] < 0.2
+    assert priced[7] >= 0.5 and priced[6] < 0.5  # a tiny model's step: milliseconds
