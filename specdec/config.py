@@ -2,7 +2,8 @@
 
 `EngineConfig` composes the sub-configs; `resolve_config` fills in every derived value (paths,
 architecture facts, eos ids, block count) once and returns a new, final config. Nothing mutates a
-config after that; each component receives only its own sub-config.
+config after that; each component receives only its own sub-config. `engine_config_from_args`
+sorts the flat keyword arguments of the Python API and the CLI into that tree.
 """
 
 from __future__ import annotations
@@ -143,6 +144,47 @@ class EngineConfig:
     speculative: SpeculativeConfig = SpeculativeConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     seed: int = 0
+
+
+# The CPU's per-step token budget: a step of that many prefill tokens takes 1-3 s there.
+CPU_STEP_TOKENS = 256
+
+
+def engine_config_from_args(model: str, dtype: str = "float32", device: str = "cpu",
+                            speculative: dict[str, Any] | None = None,
+                            runtime: RuntimeConfig | None = None, **kw: Any
+                            ) -> tuple[EngineConfig, str, bool]:
+    """Flat keyword arguments (the Python API's and the CLI's) sorted into an EngineConfig, with
+    the engine's own two: (config, attention_backend, adaptive_speculation)."""
+    mc_kw = {k: kw.pop(k) for k in ("load_format", "max_model_len", "quantization",
+                                    "cpu_kernel") if k in kw}
+    cc_kw = {k: kw.pop(k) for k in ("block_size", "num_blocks", "cpu_kv_bytes",
+                                    "cpu_kv_resident_bytes", "gpu_memory_utilization",
+                                    "enable_prefix_caching") if k in kw}
+    sc_kw = {k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_waiting")
+             if k in kw}
+    rt_kw = {k: kw.pop(k) for k in ("overlap", "spec_overlap") if k in kw}
+    runtime = replace(runtime or RuntimeConfig(), **rt_kw)
+    if device == "cpu" and sc_kw.get("max_num_batched_tokens") is None:
+        # A CPU step computes about 100-200 tokens a second: a 2048-token step would hold
+        # every other request for 10-20 s (bench/head_of_line.py).
+        sc_kw["max_num_batched_tokens"] = CPU_STEP_TOKENS
+    backend = kw.pop("attention_backend", "auto")
+    adaptive = bool(kw.pop("adaptive_speculation", False))
+    seed = kw.pop("seed", 0)
+    if kw:
+        raise TypeError(f"unknown engine arguments: {sorted(kw)}")
+    if speculative is None:
+        from specdec.hub import default_draft_for
+
+        draft = default_draft_for(model)
+        speculative = ({"method": "draft_model", "draft_model": draft} if draft
+                       else {"method": "ngram"})
+    cfg = EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, device=device, **mc_kw),
+        cache=CacheConfig(**cc_kw), scheduler=SchedulerConfig(**sc_kw),
+        speculative=SpeculativeConfig.from_dict(speculative), runtime=runtime, seed=seed)
+    return cfg, backend, adaptive
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:

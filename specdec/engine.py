@@ -31,12 +31,10 @@ from specdec.calibration import calibrate_runner
 from specdec.chaining import Chainer
 from specdec.commit import Launched, Row, Settled, StepCommitter
 from specdec.config import (
-    CacheConfig,
     EngineConfig,
-    ModelConfig,
     RuntimeConfig,
-    SchedulerConfig,
     SpeculativeConfig,
+    engine_config_from_args,
     resolve_model_config,
 )
 from specdec.cost_model import step_period
@@ -53,9 +51,6 @@ from specdec.sequence import Sequence
 from specdec.step_inputs import Draft, bucket, plan_segments
 from specdec.stop_rules import TextRules
 from specdec.verdict import verify_step
-
-# The CPU's per-step token budget: a step of that many prefill tokens takes 1-3 s there.
-CPU_STEP_TOKENS = 256
 
 
 class LLMEngine:
@@ -99,38 +94,10 @@ class LLMEngine:
         gc.freeze()
 
     @staticmethod
-    def from_args(model: str, dtype: str = "float32", device: str = "cpu",
-                  speculative: dict[str, Any] | None = None,
-                  runtime: RuntimeConfig | None = None, **kw: Any) -> LLMEngine:
-        """Build from flat keyword arguments (the Python API and the CLI use this)."""
-        mc_kw = {k: kw.pop(k) for k in ("load_format", "max_model_len", "quantization",
-                                        "cpu_kernel") if k in kw}
-        cc_kw = {k: kw.pop(k) for k in ("block_size", "num_blocks", "cpu_kv_bytes",
-                                        "cpu_kv_resident_bytes", "gpu_memory_utilization",
-                                        "enable_prefix_caching") if k in kw}
-        sc_kw = {k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_waiting")
-                 if k in kw}
-        rt_kw = {k: kw.pop(k) for k in ("overlap", "spec_overlap") if k in kw}
-        runtime = replace(runtime or RuntimeConfig(), **rt_kw)
-        if device == "cpu" and sc_kw.get("max_num_batched_tokens") is None:
-            # A CPU step computes about 100-200 tokens a second: a 2048-token step would hold
-            # every other request for 10-20 s (bench/head_of_line.py).
-            sc_kw["max_num_batched_tokens"] = CPU_STEP_TOKENS
-        backend = kw.pop("attention_backend", "auto")
-        adaptive = bool(kw.pop("adaptive_speculation", False))
-        seed = kw.pop("seed", 0)
-        if kw:
-            raise TypeError(f"unknown engine arguments: {sorted(kw)}")
-        if speculative is None:
-            from specdec.hub import default_draft_for
-
-            draft = default_draft_for(model)
-            speculative = ({"method": "draft_model", "draft_model": draft} if draft
-                           else {"method": "ngram"})
-        cfg = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, **mc_kw),
-            cache=CacheConfig(**cc_kw), scheduler=SchedulerConfig(**sc_kw),
-            speculative=SpeculativeConfig.from_dict(speculative), runtime=runtime, seed=seed)
+    def from_args(model: str, **kw: Any) -> LLMEngine:
+        """Build from flat keyword arguments (the Python API and the CLI use this; sorted by
+        specdec.config.engine_config_from_args)."""
+        cfg, backend, adaptive = engine_config_from_args(model, **kw)
         return LLMEngine(cfg, attention_backend=backend, adaptive_speculation=adaptive)
 
     def use_runtime(self, runtime: RuntimeConfig) -> None:
