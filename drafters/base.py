@@ -101,8 +101,9 @@ class Drafter(ABC):
     # does not time such proposals.
     last_catch_up: int = 1
     # A model drafter that may stop a chain short by its own judgement (a draft model's
-    # `p_min`), having paid the pass that judged; it then reports, per request of its last
-    # proposal, the depth it was asked for (a lookup's short tree found nothing, at no cost).
+    # `p_min`: the token it is unsure of is the chain's last, so every pass drafts one); it
+    # then reports, per request of its last proposal, the depth it was asked for (a lookup's
+    # short tree found nothing, at no cost).
     stops_short: ClassVar[bool] = False
     last_asked: list[int] | None = None
 

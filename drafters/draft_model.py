@@ -35,9 +35,10 @@ from verify_kernels.reference import sample_inverse_cdf
 @register
 class DraftModelDrafter(Drafter):
     """Options: `branches` (default 1: a chain), `context` (the most tokens of a sequence it
-    reads when it starts on one, default DRAFT_CONTEXT), `p_min` (a chain stops before a depth
-    where the draft model's most likely token has less than this probability, as llama.cpp's
-    `--draft-p-min`; default DRAFT_P_MIN, 0 drafts every depth asked for)."""
+    reads when it starts on one, default DRAFT_CONTEXT), `p_min` (a chain ends with the first
+    token the draft model gives less than this probability, its most likely at that depth:
+    proposed as the chain's last, since its pass is paid; default DRAFT_P_MIN, 0 drafts every
+    depth asked for)."""
 
     name = "draft_model"
     stops_short = True
@@ -170,11 +171,11 @@ class DraftModelDrafter(Drafter):
                 r, s = batch[i], states[i]
                 s.num_computed += len(feed[i])
                 if sure is not None and not host[a][-1]:
-                    # The draft is unsure of its next token: its chain ends here (what stops it
-                    # is the draft's own distribution, so the verified output keeps the
-                    # target's). Its KV is fed up to the last proposed token.
-                    depth[i] = step
-                    continue
+                    # The draft is unsure of its next token: that token is its chain's last
+                    # (what stops it is the draft's own distribution, so the verified output
+                    # keeps the target's). Proposed, not dropped: its pass is paid either way,
+                    # and a dropped one left a pass that drafted nothing in every chain cut.
+                    depth[i] = step + 1
                 tok = host[a][0]
                 branches = max(1, int(r.options.get("branches", 1)))
                 toks, pars = trees[i]
@@ -231,11 +232,15 @@ DRAFT_VOCAB = 32768
 # cpu_vs_llamacpp_20261207_attn_sharegpt.json). Reading 128 drafted as well as 256-512 did
 # (tau 3.43 on HumanEval, 2.78 on ShareGPT: bench/results/cpu_draft_context_20261203.json).
 DRAFT_CONTEXT = 128
-# Chains cut before the draft's top probability falls under 0.5: with the CPU pair at fixed
-# depth, within 4% of the best threshold at k = 2, 4, 6 on HumanEval and ShareGPT (within 2% at
-# k = 4), against 6-8% (k = 4) to 27% (k = 6, ShareGPT) less without a cut (priced from
-# recorded chains with this machine's passes, bench/results/cpu_draft_confidence_20261206.json).
-DRAFT_P_MIN = 0.5
+# A chain ends with the first token the draft gives under 0.8, and drafts up to 8 deep where
+# the engine's default speculation is the draft model (specdec/config.py, DRAFT_DEPTH). Priced
+# from chains recorded 8 deep with the CPU pair and this machine's passes (bench/results/
+# cpu_draft_confidence_20261207_k8.json), the best of every rule, threshold and depth there on
+# HumanEval and ShareGPT alike: 1.73x / 1.44x of plain at 8 deep (1.74x / 1.44x at 7), where
+# the chain cut before its first token under 0.5 at 4 deep, as before, read 1.655x / 1.325x,
+# and cut before that token at any threshold and depth at most 1.68x / 1.34x: such a cut paid
+# the pass that found the draft unsure for nothing. Deeper chains pay once that token ends them.
+DRAFT_P_MIN = 0.8
 
 
 def _context(options: dict[str, Any]) -> int:

@@ -120,7 +120,7 @@ class Acceptance:
     def reach(self, k: int, prior: list[float], less: Share | None = None) -> list[float]:
         """D_1 .. D_k: P(the drafter drafts j deep | asked j deep), shrunk towards `prior`
         [k], never growing with j: what a proposal costs where a model drafter stops short
-        (its pass j + 1 runs only where it drafted j). `less` as in `survival`."""
+        (its pass j runs only where it drafts j deep). `less` as in `survival`."""
         offered, _, reached = self._counts(self._material(less))
         out: list[float] = []
         prev = 1.0

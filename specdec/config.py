@@ -146,6 +146,10 @@ class EngineConfig:
     seed: int = 0
 
 
+# How deep the preset's default draft model may draft (the controller picks each step's depth up
+# to it): with its chains ended by their first unsure token (drafters/draft_model.py,
+# DRAFT_P_MIN), 8 deep priced best on the 2-core CPU.
+DRAFT_DEPTH = 8
 # The CPU's per-step token budget: a step of that many prefill tokens takes 1-3 s there.
 CPU_STEP_TOKENS = 256
 
@@ -178,7 +182,8 @@ def engine_config_from_args(model: str, dtype: str = "float32", device: str = "c
         from specdec.hub import default_draft_for
 
         draft = default_draft_for(model)
-        speculative = ({"method": "draft_model", "draft_model": draft} if draft
+        speculative = ({"method": "draft_model", "draft_model": draft,
+                        "num_speculative_tokens": DRAFT_DEPTH} if draft
                        else {"method": "ngram"})
     cfg = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device, **mc_kw),

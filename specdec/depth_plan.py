@@ -32,7 +32,7 @@ class Alternative:
     # (`SpeculationController.start_cost`).
     start: float = 0.0
     # D_1 .. D_max_k, the chance that its drafter drafts j deep when asked, where it may stop
-    # short (a draft model's `p_min`): its pass j + 1 runs only then. None: it never stops.
+    # short (a draft model's `p_min`): its pass j runs only then. None: it never stops.
     reach: list[float] | None = None
 
 

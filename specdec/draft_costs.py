@@ -56,14 +56,16 @@ class DraftCosts:
         this batch size or the nearest measured); else measured at this batch size; else what
         the nearest measured size cost, or 0.0 when never measured: an estimate that errs low
         is tried, measured and corrected; one that errs high would never be tried. `reach`
-        (D_1 ..): where the drafter may stop short, the chance that it drafts j deep, so that
-        its depth j + 1 costs only that share (a proposal is recorded at the depth it ran)."""
+        (D_1 ..): where the drafter may stop short, the chance that it drafts j deep when asked;
+        its pass j runs only then (each pass drafts a token, and a chain ends with its first
+        unsure one), so depth j costs only that share (a proposal is recorded at the depth it
+        ran)."""
         if reach is None or depth <= 1:
             return self._time(method, batch, depth) * self.pace()
         sec = prev = self._time(method, batch, 1)
         for j in range(2, depth + 1):
             cur = self._time(method, batch, j)
-            sec += (reach[j - 2] if j - 2 < len(reach) else 1.0) * (cur - prev)
+            sec += (reach[j - 1] if j - 1 < len(reach) else 1.0) * (cur - prev)
             prev = cur
         return sec * self.pace()
 

@@ -251,9 +251,8 @@ class Drafting:
             seconds = time.perf_counter() - t0
             self._fill(drafts, idxs, tree, [plan.decodes[i].max_draft_nodes for i in idxs])
             ran = max(b.k for b in batch)  # the depth its passes reached
-            if drafter.last_asked is not None:  # a chain stopped short ran one pass past it
-                ran = max((min(a, _depth(drafts[i].parents) + 1)
-                           for i, a in zip(idxs, drafter.last_asked)), default=0)
+            if drafter.last_asked is not None:  # as deep as its deepest chain
+                ran = max((_depth(drafts[i].parents) for i in idxs), default=0)
             self.controller.record_draft(method, len(batch), ran, seconds,
                                          drafter.last_catch_up)
             asked = drafter.last_asked or [0] * len(group)

@@ -21,9 +21,9 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _draft_every_depth(monkeypatch):
     """The tiny random models' draft distributions are nearly flat (64 tokens, the top one
-    rarely above 0.3), so the draft model's default `p_min` would stop nearly every chain and
-    leave the tests of drafting with nothing drafted; they draft every depth asked for, and the
-    tests of `p_min` set it."""
+    rarely above 0.3), so the draft model's default `p_min` would end nearly every chain after
+    its first token and leave the tests of drafting with one-token chains; they draft every
+    depth asked for, and the tests of `p_min` set it."""
     import drafters.draft_model
 
     monkeypatch.setattr(drafters.draft_model, "DRAFT_P_MIN", 0.0)

@@ -26,7 +26,7 @@ def test_acceptance_is_recency_weighted_and_monotone():
 
 def test_a_draft_models_reach_is_learnt_from_where_it_stopped_short():
     # Asked 3 deep, the drafter drafted 1 token in four verifications of five, 3 in the fifth:
-    # D_1 is 1 (the first pass always runs and judges), D_2 and D_3 fall towards 0.2 (a recent
+    # D_1 is 1 (the first pass always drafts a token), D_2 and D_3 fall towards 0.2 (a recent
     # 3 weighs most, and the prior of never stopping counts 2 against about 10); a drafter
     # never seen stopping short keeps 1 everywhere.
     ctl = SpeculationController()

@@ -306,10 +306,10 @@ def test_a_rarely_planned_depth_is_priced_from_every_proposal_of_a_calibrated_dr
 
 
 def test_a_drafter_that_stops_short_pays_for_the_depths_it_reaches(tmp_path):
-    # A draft model whose `p_min` stops half its chains after the first token runs its second
-    # pass half the time and its third a quarter: a plan 3 deep is priced at the passes it
-    # runs in expectation. Proposals are recorded at the depth they ran, so the speed read from
-    # them stays the machine's.
+    # A draft model whose `p_min` ends half its chains with the first token drafts two deep
+    # half the time and three a quarter, and runs its second pass and its third that often: a
+    # plan 3 deep is priced at the passes it runs in expectation. Proposals are recorded at the
+    # depth they ran, so the speed read from them stays the machine's.
     c = CostModel()
     c.draft.calibrate("draft_model", _never, 8,
                         _cached_curve(tmp_path, "d.json", lambda r: 0.008 + 0.001 * r))
@@ -317,6 +317,6 @@ def test_a_drafter_that_stops_short_pays_for_the_depths_it_reaches(tmp_path):
         c.draft.record("draft_model", 1, 1, 0.010)
         c.draft.record("draft_model", 1, 2, 0.010 + 0.009)
     assert c.draft.time("draft_model", 1, 3) == pytest.approx(0.010 + 2 * 0.009)
-    assert c.draft.time("draft_model", 1, 3, [0.5, 0.25, 0.25]) == pytest.approx(
+    assert c.draft.time("draft_model", 1, 3, [1.0, 0.5, 0.25]) == pytest.approx(
         0.010 + 0.5 * 0.009 + 0.25 * 0.009)
-    assert c.draft.time("draft_model", 1, 1, [0.5]) == pytest.approx(0.010)
+    assert c.draft.time("draft_model", 1, 1, [1.0]) == pytest.approx(0.010)

@@ -247,9 +247,10 @@ def test_constant_kv_pressure_keeps_outputs_and_starves_nobody(tiny_llama, refer
 
 def test_a_draft_models_chain_stops_where_the_draft_is_unsure(tiny_llama, tiny_draft,
                                                                reference):
-    # `p_min`: a chain ends before a depth whose most likely token the draft model gives less
-    # than p_min. Outputs stay plain greedy's; a higher bar drafts fewer tokens, and one that
-    # no softmax reaches drafts none.
+    # `p_min`: a chain ends with the first token whose probability the draft model gives under
+    # p_min (its most likely at that depth), proposed as the chain's last. Outputs stay plain
+    # greedy's; a higher bar drafts fewer tokens, and one that no softmax reaches drafts one a
+    # chain.
     drafted = {}
     for p_min in (0.0, 0.12, 1.0):
         spec = {"method": "draft_model", "draft_model": str(tiny_draft),
@@ -258,15 +259,19 @@ def test_a_draft_models_chain_stops_where_the_draft_is_unsure(tiny_llama, tiny_d
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == reference
         drafted[p_min] = sum(o.spec.draft_tokens for o in outs)
+        if p_min == 1.0:
+            assert all(sum(o.spec.drafted_per_position[1:]) == 0 for o in outs)
+            assert all(o.spec.drafted_per_position[0] > 0 for o in outs)
         assert llm.engine.blocks.num_used == 0
-    assert drafted[0.0] > drafted[0.12] > drafted[1.0] == 0
+    assert drafted[0.0] > drafted[0.12] > drafted[1.0] > 0
 
 
 def test_a_chain_stopped_short_is_judged_at_the_depth_it_was_asked_for(tiny_llama):
-    # The target drafting for itself: every draft is accepted, unless p_min 1.0 stops every
-    # chain, each having paid a pass all the same. Then the controller's estimate of its first
-    # position falls to near nothing, where judged by its drafted tokens alone (none) it learnt
-    # nothing and kept the prior's 0.8.
+    # The target drafting for itself: every draft is accepted, and p_min 1.0 ends every chain
+    # after its first token, asked 4 deep. The controller's estimate of the second position
+    # then falls to near nothing (judged by the drafted tokens alone it would have learnt
+    # nothing there and kept the prior's 0.64), while the first stays near 1; the reach says
+    # every chain drafted one deep and none two.
     est = {}
     for p_min in (0.0, 1.0):
         spec = {"method": "draft_model", "draft_model": str(tiny_llama),
@@ -274,12 +279,14 @@ def test_a_chain_stopped_short_is_judged_at_the_depth_it_was_asked_for(tiny_llam
         llm = LLM(model=str(tiny_llama), speculative=spec)
         llm.generate(PROMPTS, GREEDY)
         ctl = llm.engine.drafting.controller
-        est[p_min] = ctl.survival("next", "draft_model", 1)[0]
-        if p_min == 1.0:  # asked 4 deep (less at a request's end), drafted none
+        est[p_min] = ctl.survival("next", "draft_model", 2)
+        if p_min == 1.0:  # asked 4 deep (less at a request's end), drafted one
             profile = ctl.evidence.drafters["draft_model"]
             assert len(profile.offered) == 4 and profile.offered[3] > profile.offered[0] / 2
-            assert max(profile.reached) == 0.0
-    assert est[1.0] < 0.1 < est[0.0]
+            assert profile.reached[0] == pytest.approx(profile.offered[0])
+            assert max(profile.reached[1:]) == 0.0
+    assert est[1.0][1] < 0.1 < est[0.0][1]
+    assert est[1.0][0] > 0.9
 
 
 def test_the_cpu_kv_pool_hands_written_pages_back(tiny_llama, reference):

@@ -2,10 +2,12 @@
 token of a fixed-depth run (greedy, the default CPU pair, the adaptive controller off), the draft
 model's top probability and whether the target accepted the token; then, per threshold, what a
 chain cut before its first token under the threshold would have yielded, in tokens per second
-against plain decoding, with this machine's pass costs (the target at 1 to k + 1 rows and the
-draft at one row, the fastest of a few passes each) and `--host-ms` for a drafted step's host
-work beyond its pass (5.4-5.8 ms in bench/results/server_trace_20261206_run1_prompt5.jsonl's
-`spec_ms`). A cut chain still pays the pass that found the draft unsure.
+against plain decoding, and what one cut after that token (proposing it as its last, the
+drafter's rule since 2026-12-07) would have, with this machine's pass costs (the target at 1 to
+k + 1 rows and the draft at one row, the fastest of a few passes each) and `--host-ms` for a
+drafted step's host work beyond its pass (5.4-5.8 ms in bench/results/
+server_trace_20261206_run1_prompt5.jsonl's `spec_ms`; 1.9 ms in cpu_host_b1_20261207.json). A
+chain cut before the token still pays the pass that found the draft unsure.
 
     PYTHONPATH=. python3 bench/investigations/cpu_draft_confidence.py --out FILE.json \
         [--datasets humaneval,sharegpt] [--prompts 12] [--k 6] [--chains EARLIER.json]
@@ -78,8 +80,9 @@ def record(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[tuple[f
 
 
 def simulate(props: list[list[tuple[float, bool]]], k: int, target_ms: dict[int, float],
-             draft_ms: float, host_ms: float) -> dict[str, float]:
-    """Tokens per second against plain decoding, per threshold, chains cut at k."""
+             draft_ms: float, host_ms: float, keep: bool = False) -> dict[str, float]:
+    """Tokens per second against plain decoding, per threshold, chains cut at k: before their
+    first token under the threshold, or (`keep`) after it, that token proposed as the last."""
     res = {}
     for t in THRESHOLDS:
         tokens = seconds = 0.0
@@ -87,6 +90,8 @@ def simulate(props: list[list[tuple[float, bool]]], k: int, target_ms: dict[int,
             chain = chain[:k]
             d = next((j for j, (p, _) in enumerate(chain) if p < t), len(chain))
             passes = d + 1 if d < len(chain) else len(chain)
+            if keep:
+                d = passes
             acc = next((j for j, (_, a) in enumerate(chain[:d]) if not a), d)
             tokens += acc + 1
             seconds += passes * draft_ms + target_ms[d + 1] + (host_ms if d else 0.0)
@@ -132,10 +137,14 @@ def main() -> None:
                                   for j in range(a.k)],
             "drafted_by_depth": [len(x) for x in by_depth],
             "tokens_per_s_vs_plain": {str(k): simulate(props, k, target_ms, draft_ms, a.host_ms)
-                                      for k in range(2, a.k + 1, 2)},
+                                      for k in range(2, a.k + 1)},
+            "keeping_the_unsure_token": {
+                str(k): simulate(props, k, target_ms, draft_ms, a.host_ms, keep=True)
+                for k in range(2, a.k + 1)},
             "chains": props,
         }
-        print(ds, json.dumps(res["datasets"][ds]["tokens_per_s_vs_plain"]), flush=True)
+        for rule in ("tokens_per_s_vs_plain", "keeping_the_unsure_token"):
+            print(ds, rule, json.dumps(res["datasets"][ds][rule]), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 
