@@ -200,7 +200,7 @@ class SpeculationController:
             return {c.request_id: Choice(0, 0) for c in cands}
         passes, host = self.costs.pass_time, self.costs.spec_time
         batch = batch or plain + len(cands)
-        # A model drafter that may stop short runs its pass j + 1 only where it drafted j deep:
+        # A model drafter that may stop short runs its pass j only where it drafts j deep:
         # its proposals are priced by the likeliest reach among the sequences it drafts for.
         reach: dict[str, list[float]] = {}
         for a in (a for c in cands for a in c.alternatives if a.reach is not None):
