@@ -32,8 +32,16 @@ class Alternative:
     # (`SpeculationController.start_cost`).
     start: float = 0.0
     # D_1 .. D_max_k, the chance that its drafter drafts j deep when asked, where it may stop
-    # short (a draft model's `p_min`): its pass j runs only then. None: it never stops.
+    # short (a draft model's `p_min`): its pass j runs only then, and its tree has a position
+    # j to verify only then. None: it never stops.
     reach: list[float] | None = None
+
+    def rows(self, j: int) -> float:
+        """The query rows that asking position j (0-based) adds to a step, expected: a tree
+        verifies what its drafter drafted, not the depth it was asked (on the 2-core CPU at
+        batch 1, 4 deep asked of a draft model that stopped after one or two tokens priced
+        5 rows, 43 ms, for passes that took 32)."""
+        return self.width * (self.reach[j] if self.reach and j < len(self.reach) else 1.0)
 
 
 @dataclass
@@ -56,7 +64,7 @@ class Choice:
     fallback_k: int = 0
 
 
-PassTime = Callable[[int], float]  # query rows -> seconds
+PassTime = Callable[[float], float]  # query rows (expected, where drafts stop short) -> seconds
 DraftTime = Callable[[str, int, int], float]  # (method, drafting sequences, depth) -> seconds
 SpecTime = Callable[[int], float]  # drafting sequences -> seconds beyond the rows' pass
 
@@ -95,7 +103,7 @@ def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: 
         for p, (_, i, j) in enumerate(items, 1):
             a = alts[i]
             gain += a.survival[j]
-            rows += a.width
+            rows += a.rows(j)
             if j == 0:
                 drafting[a.method] += 1
                 speculating += 1
@@ -112,8 +120,8 @@ def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: 
     for caps in itertools.product(*(range(deepest[m] + 1) for m in costly)):
         cap = dict(zip(costly, caps))
         limits.append([min(a.max_k, cap.get(a.method, a.max_k)) for a in alts])
-        scan([(a.survival[j] / a.width, i, j) for i, a in enumerate(alts)
-              for j in range(limits[-1][i])])
+        scan([(key, i, j) for i, a in enumerate(alts)
+              for j, key in enumerate(_per_row(a, limits[-1][i]))])
     per_seq = (host(n) - host(1)) / (n - 1) if n > 1 else 0.0
     if per_seq > 0 or any(a.start for a in alts):
         first_best = max(f[0] for f in found)  # prices host work and starts, in tokens
@@ -121,12 +129,14 @@ def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: 
             items = []
             for i, a in enumerate(alts):
                 gains = itertools.accumulate(a.survival[:limit[i]])
+                rows = itertools.accumulate(a.rows(j) for j in range(limit[i]))
                 price = first_best * (per_seq + a.start)
-                bundle, value = max(((d, (g - price) / (d * a.width))
-                                     for d, g in enumerate(gains, 1)),
+                bundle, value = max(((d, (g - price) / max(r, 1e-12))
+                                     for d, (g, r) in enumerate(zip(gains, rows), 1)),
                                     key=lambda t: t[1], default=(0, 0.0))
                 items += [(value, i, j) for j in range(bundle)]
-                items += [(a.survival[j] / a.width, i, j) for j in range(bundle, limit[i])]
+                keys = _per_row(a, limit[i])
+                items += [(keys[j], i, j) for j in range(bundle, limit[i])]
             scan(items)
     top = max(f[0] for f in found)
     if top <= (1 + margin) * found[0][0]:
@@ -137,6 +147,22 @@ def best_depths(alts: list[Alternative], base_rows: int, plain: int, pass_time: 
     for i, j in orders[order][:prefix]:
         ks[i] = j + 1
     return ks, rate
+
+
+def _per_row(a: Alternative, limit: int) -> list[float]:
+    """Each of `a`'s first `limit` positions' gain per expected row, pooled where a deeper
+    position's would be higher (a draft model that drafts deep only where it is sure can be
+    accepted more often per row there), so that they never grow with depth and a scan in
+    their order takes a sequence's positions in order."""
+    runs: list[list[float]] = []  # [gain, rows, positions]
+    for j in range(limit):
+        runs.append([a.survival[j], a.rows(j), 1])
+        while len(runs) > 1 and runs[-1][0] * runs[-2][1] > runs[-2][0] * runs[-1][1]:
+            g, r, n = runs.pop()
+            runs[-1][0] += g
+            runs[-1][1] += r
+            runs[-1][2] += n
+    return [g / max(r, 1e-12) for g, r, n in runs for _ in range(int(n))]
 
 
 StepTime = Callable[[int, int], float]  # (rows per sequence, drafting sequences) -> seconds

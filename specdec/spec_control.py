@@ -14,9 +14,11 @@ per draft position from the sequence's own recent verifications (recency-weighte
 acceptance that collapses or returns shows within a few steps), shrunk towards its drafter's
 profile over every request (specdec/acceptance.py; a sequence's evidence also fades while it
 is kept plain where drafting again costs no catch-up, so a stretch of rejections does not keep
-it off for good). S_j never grows with j, so a sequence's marginal gains fall with depth, and
-for a fixed number of extra rows the best allocation takes the largest marginal gains per row
-across the batch (an exchange argument). `best_depths` scans those allocations, for every cap
+it off for good). A position adds the rows its drafter is expected to draft there (a draft
+model may stop short: D_j, Alternative.rows), and where a deeper position gains more per row a
+run of them is pooled to its average, so a sequence's marginal gains per row fall with depth,
+and for a fixed number of extra rows the best allocation takes the largest across the batch
+(an exchange argument). `best_depths` scans those allocations, for every cap
 on each costly drafter's depth (a draft model's time grows with the deepest chain it drafts),
 and keeps the highest rate: for chains and per-drafter costs that do not depend on
 how many sequences draft, that is the brute-force optimum (tests/test_depth_plan.py), a cost
@@ -351,7 +353,7 @@ class SpeculationController:
         best, best_value = 0, -1.0
         for idx, a in enumerate(c.alternatives):
             value = max(((1 + sum(a.survival[:k])) / (
-                share + k * a.width * per_row + host + a.start
+                share + sum(map(a.rows, range(k))) * per_row + host + a.start
                 + self.costs.draft.time(a.method, batch, k, a.reach) / max(1, batch))
                 for k in range(1, a.max_k + 1)), default=0.0)
             if value > best_value:

@@ -22,7 +22,7 @@ def rate_of(ks, alts, base, plain, pass_time, draft_time, host=lambda s: 0.0):
     """The rate of one depth combination: its tokens over its pass, the host work of its
     drafting sequences and its drafters' time."""
     gain = plain + len(alts) + sum(sum(a.survival[:k]) for a, k in zip(alts, ks))
-    cost = pass_time(base + sum(k * a.width for a, k in zip(alts, ks)))
+    cost = pass_time(base + sum(a.rows(j) for a, k in zip(alts, ks) for j in range(k)))
     speculating = sum(1 for k in ks if k)
     cost += host(speculating) if speculating else 0.0
     cost += sum(a.start for a, k in zip(alts, ks) if k)
@@ -119,6 +119,46 @@ def test_best_depths_near_brute_force_with_a_start_cost_per_sequence():
         assert rate == pytest.approx(rate_of(ks, alts, base, plain, pass_time, draft_time,
                                              host), rel=1e-9)
         assert best * (1 - 0.005) <= rate <= best * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("curved", [False, True])
+def test_best_depths_with_drafters_that_stop_short(curved):
+    # A draft model that may stop short adds a row at position j only where it drafts that
+    # deep (D_j): rows cost by that expectation, and a deeper position can then be worth more
+    # per row than a shallower one. On a pass linear in rows the plan is the brute force's;
+    # on a curved one within 0.5%.
+    for seed in range(300):
+        rng = random.Random(seed)
+        alts, base, plain, pass_time, draft_time = random_batch(rng)
+        if not curved:
+            fixed, per_row = rng.uniform(0.5, 2), rng.uniform(0.0, 0.6)
+
+            def pass_time(rows: float, fixed: float = fixed, per_row: float = per_row) -> float:
+                return fixed + per_row * rows
+        for a in alts:
+            a.reach = [1.0] + survival_curve(rng, a.max_k)[:max(0, a.max_k - 1)]
+            a.survival = [s * d for s, d in zip(a.survival, a.reach)]  # accepted: drafted
+        ks, rate = best_depths(alts, base, plain, pass_time, draft_time)
+        best = brute_force(alts, base, plain, pass_time, draft_time)
+        assert rate == pytest.approx(rate_of(ks, alts, base, plain, pass_time, draft_time),
+                                     rel=1e-9)
+        if curved:
+            assert best * (1 - 0.005) <= rate <= best * (1 + 1e-9)
+        else:
+            assert rate == pytest.approx(best, rel=1e-9)
+
+
+def test_asking_deeper_of_a_drafter_that_stops_short_costs_its_expected_rows():
+    # Every row costs a pass: 4 deep asked, priced as 4 rows, never pays at acceptance below
+    # 1; priced by where the drafter stops (one token in two, then rarely), it does, and the
+    # scan takes the deep, sure positions after the first.
+    surv, reach = [0.5, 0.09, 0.09, 0.09], [1.0, 0.1, 0.1, 0.1]
+    sure = Alternative("draft_model", 4, 1, surv)
+    ks, _ = best_depths([sure], 1, 0, lambda rows: 1.0 + rows, lambda m, n, d: 0.0)
+    assert ks == [0]
+    sure.reach = reach
+    ks, _ = best_depths([sure], 1, 0, lambda rows: 1.0 + rows, lambda m, n, d: 0.0)
+    assert ks == [4]
 
 
 def test_free_verification_drafts_deep_and_expensive_drafts_not_at_all():
