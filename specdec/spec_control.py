@@ -383,7 +383,8 @@ def union_reach(reaches: list[list[float]]) -> list[list[float]]:
     then, and its proposals are measured at the depth of their deepest chain. At batch 2 on
     the 2-core CPU, fixed k = 4 on HumanEval, the likeliest sequence's D_j alone priced a
     proposal at 25.0 ms, this at 31.2, and it took 34.4; on ShareGPT 21.5 and 27.8 against
-    20.3, where the reach estimates ran high (bench/results/cpu_controller_rows_20261208_b2.json)."""
+    20.3, where the reach estimates ran high
+    (bench/results/cpu_controller_rows_20261208_b2.json)."""
     k = max((len(r) for r in reaches), default=0)
     out: list[list[float]] = []
     missed = [1.0] * k
