@@ -116,6 +116,9 @@ class CostModel:
         self.steps: dict[int, Curve] = {}
         self.pad: Callable[[int, int], tuple[int, int] | None] | None = None
         self._step_drafting: dict[int, int] = {}  # batch -> sequences the last drafted step drafted
+        # Plain steps chained on the device (specdec/chaining.py), by batch as padded: what a
+        # plain choice held between probes costs (`_step`).
+        self.resting: dict[int, Curve] = {}
         # The machine's pace: every curve above (the calibrations aside) holds seconds divided
         # by the pace at their time, and every price is times the pace now. It starts at 1, the
         # calibration's, and that 1 stays in the window until PACE_WINDOW steps.
@@ -173,10 +176,11 @@ class CostModel:
                 self._line = None
 
     def record_step(self, batch: int, rows_per_seq: int, seconds: float,
-                    drafting: int | None = None) -> None:
+                    drafting: int | None = None, chained: bool = False) -> None:
         """A decode step of `batch` sequences, the deepest of `rows_per_seq` rows (its root
         and draft nodes), took `seconds`, its drafting left out; `drafting` of them drafted
-        (default: all, where it has draft rows)."""
+        (default: all, where it has draft rows); `chained`: its successor was launched from
+        it on the device."""
         if batch > 0 and rows_per_seq > 0:  # (record_pass saw the same step: no _observe)
             if rows_per_seq > 1:
                 self._step_drafting[self._padded(batch, 1)[0]] = (
@@ -184,6 +188,9 @@ class CostModel:
             batch, rows_per_seq = self._padded(batch, rows_per_seq)
             self.steps.setdefault(batch, Curve(typical=True)).record(rows_per_seq,
                                                                      seconds / self.speed)
+            if chained and rows_per_seq == 1:
+                self.resting.setdefault(batch, Curve(typical=True)).record(
+                    1, seconds / self.speed)
 
     def _padded(self, batch: int, rows_per_seq: int) -> tuple[int, int]:
         return (self.pad(batch, rows_per_seq) if self.pad else None) or (batch, rows_per_seq)
@@ -198,6 +205,13 @@ class CostModel:
 
     def _step(self, batch: int, rows_per_seq: int, drafting: int) -> float:
         batch, rows_per_seq = self._padded(batch, rows_per_seq)
+        if rows_per_seq == 1 and batch in self.resting:
+            # A plain choice is held, and its steps chained, until the next probe: priced by
+            # chained plain steps where some were measured, not by the host-planned ones that
+            # come between drafted steps (at batch 32 on an H100 those read 8.4 ms where off's
+            # chained ones took 6.8, and an n-gram batch held 7 deep at 0.974x of off:
+            # bench/results/gpu_goodput_h100_20261208_s35_b32_trace.jsonl, steps 573-575).
+            return self.resting[batch](1)
 
         def split(q: int, s: int) -> float:
             return self._pass(batch * q) + self._spec(s if q > 1 else 0)
@@ -255,6 +269,7 @@ class CostModel:
         self.passes = Curve(typical=True)
         self.draft.forget()
         self.steps.clear()
+        self.resting.clear()
         self._step_drafting.clear()
         self._extra.clear()
         self._steps = 0

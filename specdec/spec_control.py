@@ -125,7 +125,7 @@ class SpeculationController:
         had a draft verified; `chained`: the next step was launched from its verdict on the
         device, without the host planning it."""
         self.costs.record_pass(rows, seconds, speculating, chained, batch)
-        self.costs.record_step(batch, deepest, seconds, speculating)
+        self.costs.record_step(batch, deepest, seconds, speculating, chained)
 
     def record_draft(self, method: str, batch: int, depth: int, seconds: float,
                      catch_up: int = 1) -> None:

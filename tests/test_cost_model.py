@@ -320,3 +320,19 @@ def test_a_drafter_that_stops_short_pays_for_the_depths_it_reaches(tmp_path):
     assert c.draft.time("draft_model", 1, 3, [1.0, 0.5, 0.25]) == pytest.approx(
         0.010 + 0.5 * 0.009 + 0.25 * 0.009)
     assert c.draft.time("draft_model", 1, 1, [1.0]) == pytest.approx(0.010)
+
+
+def test_a_plain_step_is_priced_by_chained_ones_where_some_were_measured():
+    # A held plain choice chains its steps on the device: they cost less than the host-planned
+    # plain steps that come between drafted ones, and a plan that priced plain by those drafted
+    # where plain paid.
+    c = CostModel()
+    c.record_step(32, 1, 0.0084)
+    c.record_step(32, 1, 0.0084)
+    assert c.step_time(32, 1, 0) == pytest.approx(0.0084)
+    c.record_step(32, 1, 0.0068, chained=True)
+    assert c.step_time(32, 1, 0) == pytest.approx(0.0068)
+    c.record_step(32, 3, 0.011, 32, chained=True)  # a chained drafted step: not plain's price
+    assert c.step_time(32, 1, 0) == pytest.approx(0.0068)
+    c.forget_steps()
+    assert c.resting == {}
