@@ -74,7 +74,14 @@ from dataclasses import replace
 
 from specdec.acceptance import Evidence, geometric
 from specdec.cost_model import CostModel
-from specdec.depth_plan import Alternative, Candidate, Choice, best_depths, uniform_depths
+from specdec.depth_plan import (
+    Alternative,
+    Candidate,
+    Choice,
+    best_depths,
+    uniform_depths,
+    union_reach,
+)
 from specdec.outputs import ControlStats
 
 PRIOR_ACCEPT = 0.6  # per-position acceptance assumed before any evidence
@@ -375,23 +382,6 @@ class SpeculationController:
     def _fallback(c: Candidate, picked: int) -> int | None:
         others = [i for i, a in enumerate(c.alternatives) if i != picked and not a.lookup]
         return others[0] if others else None
-
-
-def union_reach(reaches: list[list[float]]) -> list[list[float]]:
-    """Per n, the chance that at least one of the n sequences likeliest to draft deep drafts j
-    deep (1 - the product of their 1 - D_j, as if independent): a batch's draft pass j runs
-    then, and its proposals are measured at the depth of their deepest chain. At batch 2 on
-    the 2-core CPU, fixed k = 4 on HumanEval, the likeliest sequence's D_j alone priced a
-    proposal at 25.0 ms, this at 31.2, and it took 34.4; on ShareGPT 21.5 and 27.8 against
-    20.3, where the reach estimates ran high
-    (bench/results/cpu_controller_rows_20261208_b2.json)."""
-    k = max((len(r) for r in reaches), default=0)
-    out: list[list[float]] = []
-    missed = [1.0] * k
-    for r in sorted(reaches, key=lambda r: -sum(r)):
-        missed = [m * (1.0 - (r[j] if j < len(r) else 0.0)) for j, m in enumerate(missed)]
-        out.append([1.0 - m for m in missed])
-    return out
 
 
 def _startable(a: Alternative, period: float,

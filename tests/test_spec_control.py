@@ -10,14 +10,13 @@ from test_cost_model import _cached_curve, _never
 from specdec import LLM, SamplingParams
 from specdec.calibration import CALIBRATION_ROWS
 from specdec.cost_model import Curve
-from specdec.depth_plan import Alternative, Candidate, best_depths
+from specdec.depth_plan import Alternative, Candidate, best_depths, union_reach
 from specdec.spec_control import (
     PRIOR_ACCEPT,
     PRIOR_ACCEPT_BY_METHOD,
     PROBE_EVERY,
     SpeculationController,
     geometric,
-    union_reach,
 )
 
 

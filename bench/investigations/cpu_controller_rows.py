@@ -3,7 +3,7 @@ one process: (1) each drafted step of a fixed-k run, the target pass the control
 predict at the rows asked (1 + k a sequence) and at the rows expected where the draft model stops
 short (1 + D_1 + .. + D_k, `Alternative.rows`), against the pass measured; and the draft model's
 proposal priced by the likeliest sequence's reach D_j and by the chance that any of the batch's
-sequences drafts j deep (`spec_control.union_reach`), against the proposal measured; (2)
+sequences drafts j deep (`depth_plan.union_reach`), against the proposal measured; (2)
 speculation off, fixed k = 4, and the controller as it is and as it was before both (rows
 asked, the likeliest reach), taking turns per prompt group over `--rounds` rounds (every other
 one in reverse order), each configuration's fastest round per group kept, the geometric mean of
@@ -31,7 +31,7 @@ from prompts import load
 
 import specdec.model_runner as model_runner
 from specdec import LLM, depth_plan, spec_control
-from specdec.spec_control import union_reach
+from specdec.depth_plan import union_reach
 
 CONFIGS = {
     "off": {"method": "none"},
