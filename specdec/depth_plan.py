@@ -39,8 +39,9 @@ class Alternative:
     def rows(self, j: int) -> float:
         """The query rows that asking position j (0-based) adds to a step, expected: a tree
         verifies what its drafter drafted, not the depth it was asked (on the 2-core CPU at
-        batch 1, 4 deep asked of a draft model that stopped after one or two tokens priced
-        5 rows, 43 ms, for passes that took 32)."""
+        batch 1, ShareGPT steps asked 4 deep of the draft model were priced 42.4 ms at the rows
+        asked, 34.8 at those expected, and took 33.5:
+        bench/results/cpu_controller_rows_20261207_b1.json)."""
         return self.width * (self.reach[j] if self.reach and j < len(self.reach) else 1.0)
 
 
