@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from specdec.depth_plan import Alternative, best_depths
+from specdec.depth_plan import Alternative, best_depths, union_reach
 from specdec.spec_control import geometric
 
 
@@ -159,6 +159,14 @@ def test_asking_deeper_of_a_drafter_that_stops_short_costs_its_expected_rows():
     sure.reach = reach
     ks, _ = best_depths([sure], 1, 0, lambda rows: 1.0 + rows, lambda m, n, d: 0.0)
     assert ks == [4]
+
+
+def test_a_batch_runs_a_draft_pass_where_any_of_its_sequences_drafts_that_deep():
+    # Two sequences that each draft a second token half the time: the batch's second pass runs
+    # three times in four; n = 1 prices the likelier sequence alone.
+    u = union_reach([[1.0, 0.5, 0.2], [1.0, 0.5, 0.4, 0.1]])
+    assert u[0] == pytest.approx([1.0, 0.5, 0.4, 0.1])
+    assert u[1] == pytest.approx([1.0, 0.75, 0.52, 0.1])
 
 
 def test_free_verification_drafts_deep_and_expensive_drafts_not_at_all():

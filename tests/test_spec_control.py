@@ -10,7 +10,7 @@ from test_cost_model import _cached_curve, _never
 from specdec import LLM, SamplingParams
 from specdec.calibration import CALIBRATION_ROWS
 from specdec.cost_model import Curve
-from specdec.depth_plan import Alternative, Candidate, best_depths, union_reach
+from specdec.depth_plan import Alternative, Candidate, best_depths
 from specdec.spec_control import (
     PRIOR_ACCEPT,
     PRIOR_ACCEPT_BY_METHOD,
@@ -397,11 +397,3 @@ def test_the_pace_stays_anchored_on_a_steady_machine(tmp_path):
             c.record_draft("draft_model", 1, 4, 0.009 * rng.randint(1, 4) * noise)
     assert 0.85 < c.costs.speed < 1.2
     assert c.costs.pass_time(1) == pytest.approx(0.030, rel=0.2)
-
-
-def test_a_batch_runs_a_draft_pass_where_any_of_its_sequences_drafts_that_deep():
-    # Two sequences that each draft a second token half the time: the batch's second pass runs
-    # three times in four; n = 1 prices the likelier sequence alone.
-    u = union_reach([[1.0, 0.5, 0.2], [1.0, 0.5, 0.4, 0.1]])
-    assert u[0] == pytest.approx([1.0, 0.5, 0.4, 0.1])
-    assert u[1] == pytest.approx([1.0, 0.75, 0.52, 0.1])
